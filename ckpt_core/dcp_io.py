@@ -1,0 +1,264 @@
+"""DCP storage edge: writers that checksum while writing and commit last, safe readers.
+
+``CommitWriter`` is DCP's own file-system writer with three additions:
+
+* every byte written goes through a CRC32C stream, so file sizes and checksums
+  are known without reading anything back;
+* each rank leaves a small JSON sidecar (its files and its share of the state
+  fingerprint) once its data is durable;
+* the coordinator's ``finish`` (which DCP runs only after every rank's data is
+  written) writes DCP's ``.metadata`` and then ``manifest.json``: the commit.
+
+Because all of this happens inside DCP's save, it runs wherever DCP runs the
+save: inline, in a background thread, or in the background process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+from typing import Any, Iterator, Mapping, Optional
+
+import crc32c
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from . import fingerprint as fp
+from .manifest import FileEntry, build_manifest
+from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, write_bytes_durable
+
+SIDECAR_SUFFIX = ".ckptpart.json"
+
+
+def sidecar_name(rank_prefix: str) -> str:
+    return f"{rank_prefix}{SIDECAR_SUFFIX}"
+
+
+class _HashingStream(io.RawIOBase):
+    """Forwards writes to ``raw`` while keeping a running CRC32C and byte count."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.crc = crc32c.crc32c(mv, self.crc)
+        n = self._raw.write(mv)
+        n = len(mv) if n is None else n
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self._raw.close()
+
+
+class _HashingFileSystem:
+    """Wraps a DCP ``FileSystemBase``; records (size, crc32c) of every file it writes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.records: dict[str, tuple[int, int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self.inner.create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        self.records[os.path.basename(os.fspath(path))] = (hashing.size, hashing.crc)
+
+
+class _CommitMixin:
+    """Adds checksums, per-rank sidecars and the manifest commit to a DCP writer."""
+
+    def _init_commit(self, manifest_fields: Mapping[str, Any], storage_url: str) -> None:
+        self.fs = _HashingFileSystem(self.fs)
+        self._manifest_fields = dict(manifest_fields)
+        self._storage_url = storage_url
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        prefix = plan.storage_data.prefix
+        sums: dict[str, fp.Entry] = {}
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn):
+                t = planner.resolve_data(item)
+                sums = fp.combine([sums, {item.index.fqn: fp.tensor_entry(t)}])
+        fut = super().write_data(plan, planner)  # type: ignore[misc]
+        fut.wait()
+        files = {name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)}
+        part = {"prefix": prefix, "files": files, "fingerprint": sums}
+        path = self.fs.concat_path(self.path, sidecar_name(prefix))
+        with self.fs.create_stream(path, "wb") as stream:
+            stream.write(json.dumps(part).encode())
+            if self.sync_files:
+                with contextlib.suppress(AttributeError, io.UnsupportedOperation):
+                    os.fsync(stream.fileno())
+        return fut
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        fs, root = get_fs(self._storage_url)
+        files: dict[str, FileEntry] = {}
+        parts = []
+        for i in range(len(results)):
+            name = sidecar_name(f"__{i}_")
+            path = join(root, name)
+            if not fs.exists(path):
+                continue
+            raw = fs.cat_file(path)
+            body = json.loads(raw)
+            files[name] = FileEntry(len(raw), crc32c.crc32c(raw))
+            for fname, (size, crc) in body["files"].items():
+                files[fname] = FileEntry(int(size), int(crc))
+            parts.append({k: tuple(v) for k, v in body["fingerprint"].items()})
+        super().finish(metadata, results)  # type: ignore[misc]
+        size, crc = self.fs.records[f"{DCP_METADATA_NAME}.tmp"]
+        files[DCP_METADATA_NAME] = FileEntry(size, crc)
+        manifest = build_manifest(
+            files=files,
+            fingerprint=fp.combine(parts),
+            world_size=len(results),
+            **self._manifest_fields,
+        )
+        write_bytes_durable(fs, join(root, MANIFEST_NAME), manifest.to_json().encode())
+
+
+class LocalCommitWriter(_CommitMixin, FileSystemWriter):
+    """``FileSystemWriter`` (plain files, fsync) with checksums and the manifest commit."""
+
+    def __init__(self, path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> None:
+        FileSystemWriter.__init__(self, path, **kwargs)
+        self._init_commit(manifest_fields, path)
+
+
+class FsspecCommitWriter(_CommitMixin, FsspecWriter):
+    """``FsspecWriter`` (any fsspec URL) with checksums and the manifest commit."""
+
+    def __init__(self, path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> None:
+        FsspecWriter.__init__(self, path, **kwargs)
+        self._init_commit(manifest_fields, path)
+
+
+def make_writer(path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> Any:
+    """The right commit writer for ``path``: plain files locally, fsspec otherwise."""
+    fs, _ = get_fs(path)
+    if is_local(fs):
+        return LocalCommitWriter(_local_path(path), manifest_fields, **kwargs)
+    kwargs.setdefault("sync_files", False)
+    return FsspecCommitWriter(path, manifest_fields, **kwargs)
+
+
+def _local_path(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+_SAFE_METADATA_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+_SAFE_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only DCP's own metadata classes and torch enums."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_SAFE_METADATA_MODULES) or (module, name) in _SAFE_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return super().find_class(module, name)
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "getattr"):
+            if name == "getattr":
+                raise pickle.UnpicklingError("refusing builtins.getattr in checkpoint metadata")
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refusing to unpickle {module}.{name} from checkpoint metadata: only DCP metadata types are allowed"
+        )
+
+
+class _SafeMetadataMixin:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLocalReader(_SafeMetadataMixin, FileSystemReader):
+    pass
+
+
+class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
+    pass
+
+
+def make_reader(path: str) -> Any:
+    fs, _ = get_fs(path)
+    if is_local(fs):
+        return SafeLocalReader(_local_path(path))
+    return SafeFsspecReader(path)
+
+
+def read_metadata(path: str) -> Metadata:
+    """DCP metadata of a checkpoint directory, read with the restricted unpickler."""
+    return make_reader(path).read_metadata()
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,503 @@
+"""``CheckpointManager``: save when due, asynchronously; commit last; retain; restore the newest valid.
+
+Save: trigger (``schedule``) -> capture (``TrainState``) -> stage (DCP's
+``DefaultStager``, buffers reused) -> write (DCP + ``dcp_io.CommitWriter``, in
+DCP's background process or thread) -> commit (the writer's ``finish``) ->
+retain (``retention``, in a background thread on rank 0).
+
+Restore: discover -> choose (newest valid, fallback) -> load into fresh
+buffers (DCP, resharding) -> verify the fingerprint -> apply -> verify again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from . import fingerprint as fp
+from .dcp_io import SafeLoadPlanner, make_reader, make_writer
+from .discovery import choose_for_restore, list_records, read_manifest, validate
+from .manifest import ManifestError
+from .records import CheckpointInfo
+from .retention import build_policy, mark_permanent, steps_to_delete
+from .schedule import SaveSchedule
+from .settings import CheckpointSettings
+from .state import StateMismatchError, TrainState
+from .storage import get_fs, join, remove_tree, step_dirname
+
+log = logging.getLogger("ckpt_core")
+
+
+class SaveError(RuntimeError):
+    """A checkpoint save failed; ``step`` names it and ``__cause__`` says why."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(f"checkpoint save at step {step} failed: {type(cause).__name__}: {cause}")
+        self.step = step
+        self.__cause__ = cause
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint could be restored, or the restored state does not match what was saved."""
+
+
+@dataclass
+class SaveStats:
+    """Timing and size of one save, as reported to metric callbacks."""
+
+    step: int
+    blocking_s: float
+    write_s: Optional[float] = None
+    bytes: int = 0
+    committed: bool = False
+    healthy: bool = True
+    interval_s: Optional[float] = None
+    deleted: list = field(default_factory=list)
+    first: bool = False
+
+    @property
+    def throughput_bytes_per_s(self) -> Optional[float]:
+        return self.bytes / self.write_s if self.write_s else None
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes)}
+        if self.write_s is not None:
+            out["ckpt/write_s"] = self.write_s
+        if self.throughput_bytes_per_s is not None:
+            out["ckpt/throughput_MBps"] = self.throughput_bytes_per_s / 1e6
+        if self.interval_s is not None:
+            out["ckpt/interval_s"] = self.interval_s
+        out["ckpt/deleted"] = float(len(self.deleted))
+        return out
+
+
+@dataclass
+class _InFlight:
+    step: int
+    future: Future
+    stats: SaveStats
+    t_dispatch: float
+    t_done: Optional[float] = None
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _ensure_process_group() -> None:
+    """DCP's background process needs a process group; give a lone process a 1-rank gloo one."""
+    if _dist_on():
+        return
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    store = dist.TCPStore("127.0.0.1", get_free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    log.info("ckpt_core: started a 1-rank gloo process group for the background checkpoint process")
+
+
+_LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for m in list(_LIVE):
+        try:
+            m.close()
+        except Exception as e:  # noqa: BLE001 - best effort at interpreter exit
+            log.warning("ckpt_core: could not flush checkpoints at exit: %s", e)
+
+
+class CheckpointManager:
+    """Saves and restores ``TrainState`` under ``root`` (local path or fsspec URL).
+
+    Keyword arguments are ``CheckpointSettings`` fields (``every_n_steps``,
+    ``keep_last``, ``async_mode``...); pass ``settings=`` to give them at once.
+    Every rank constructs the manager and calls ``save``/``maybe_save``/
+    ``restore`` at the same steps: these are collective.
+    """
+
+    def __init__(
+        self,
+        root: Optional[str] = None,
+        *,
+        settings: Optional[CheckpointSettings] = None,
+        metrics_callbacks: Sequence[Callable[[SaveStats], None]] = (),
+        **kwargs: Any,
+    ) -> None:
+        if settings is None:
+            settings = CheckpointSettings(**({"dirpath": str(root)} if root is not None else {}), **kwargs)
+        elif root is not None or kwargs:
+            settings = settings.replace(**({"dirpath": str(root)} if root is not None else {}), **kwargs)
+        self.settings = s = settings
+        self.root = s.dirpath.rstrip("/") if s.dirpath not in ("/",) else s.dirpath
+        self.fs, self._root_path = get_fs(self.root, **s.storage_options)
+        self._metrics_callbacks = list(metrics_callbacks)
+        self.rank = dist.get_rank() if _dist_on() else 0
+        self.world_size = dist.get_world_size() if _dist_on() else 1
+        self.schedule = SaveSchedule(
+            every_n_steps=s.every_n_steps,
+            every_seconds=s.every_seconds,
+            interval=s.interval,
+            device_mtbf_hours=s.device_mtbf_hours,
+            n_devices=s.n_devices or self.world_size,
+            min_interval_s=s.min_interval_s,
+            max_interval_s=s.max_interval_s,
+        )
+        self.policy = build_policy(
+            keep_last=s.keep_last,
+            keep_every_n_steps=s.keep_every_n_steps,
+            keep_every_seconds=s.keep_every_seconds,
+            keep_best=s.keep_best,
+        )
+        if s.async_mode == "process":
+            _ensure_process_group()
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._pg = dist.new_group(backend="gloo") if _dist_on() and dist.get_world_size() > 1 else None
+        self._stager: Optional[DefaultStager] = None
+        if s.async_mode != "off":
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=s.async_mode == "process",
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        self._inflight: Optional[_InFlight] = None
+        self._retention = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retention") if self.rank == 0 else None
+        self._retention_futures: list[Future] = []
+        self._committed: set[int] = set()
+        self.resumed_from: Optional[int] = None
+        self.last_save_stats: Optional[SaveStats] = None
+        self.save_history: list[SaveStats] = []
+        self._last_save_time = time.monotonic()
+        self._n_saves = 0
+        self._closed = False
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ save
+    def maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
+        """Save if the schedule says so (a decision every rank agrees on). Returns whether a save started."""
+        self._poll(block=False)
+        elapsed = time.monotonic() - self._last_save_time
+        due = self.schedule.should_save(step, elapsed)
+        if self.schedule.needs_time_sync and self._pg is not None:
+            flag = torch.tensor([int(due)], dtype=torch.int32)
+            dist.broadcast(flag, src=0, group=self._pg)
+            due = bool(flag.item())
+        if not due:
+            return False
+        return self.save(step, state, metrics=metrics)
+
+    def save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
+        """Save ``state`` as checkpoint ``step`` (collective). Returns False when skipped."""
+        self._check_open()
+        state.step = step
+        self._poll(block=False)
+        if self._inflight is not None and not self._agree_done():
+            if self.settings.on_in_flight == "skip":
+                log.warning("ckpt_core: skipping the save at step %d: the save at step %d is still writing",
+                            step, self._inflight.step)
+                return False
+            log.info("ckpt_core: save at step %d waits for the save at step %d to finish writing",
+                     step, self._inflight.step)
+            self._poll(block=True)
+        if step in self._committed:
+            log.info("ckpt_core: step %d is already committed; not saving it again", step)
+            return False
+        path = join(self.root, step_dirname(step))
+        fields = {
+            "step": step,
+            "epoch": state.epoch,
+            "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
+            "metrics": dict(metrics or {}),
+            "contents": state.contents(),
+        }
+        writer = make_writer(path, fields, thread_count=self.settings.writer_threads)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        mode = self._mode_for(state)
+        t0 = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if mode == "off":
+                try:
+                    dcp.save(state.state_dict(), storage_writer=writer, planner=planner, process_group=self._pg)
+                except Exception as e:  # noqa: BLE001
+                    t1 = time.monotonic()
+                    self._n_saves += 1
+                    self._save_failed(SaveError(step, e))
+                    return False
+                t1 = time.monotonic()
+                fut: Future = Future()
+                fut.set_result(None)
+            else:
+                fut = dcp.async_save(
+                    state.state_dict(),
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self._pg,
+                    async_checkpointer_type=(
+                        AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+                    ),
+                    async_stager=self._stager,
+                )
+                t1 = time.monotonic()
+        stats = SaveStats(step=step, blocking_s=t1 - t0, first=self._n_saves == 0,
+                          interval_s=self.schedule.interval_s)
+        self._n_saves += 1
+        self._last_save_time = t1
+        self.schedule.record_cost(stats.blocking_s)
+        inflight = _InFlight(step=step, future=fut, stats=stats, t_dispatch=t0)
+        fut.add_done_callback(lambda _f, i=inflight: setattr(i, "t_done", time.monotonic()))
+        self._inflight = inflight
+        if mode == "off":
+            self._poll(block=True)
+        return True
+
+    def _mode_for(self, state: TrainState) -> str:
+        mode = self.settings.async_mode
+        limit = self.settings.max_host_memory_bytes
+        if mode != "off" and limit is not None:
+            nbytes = _state_bytes(state)
+            if nbytes > limit:
+                log.warning(
+                    "ckpt_core: state of %d bytes exceeds max_host_memory_bytes=%d; saving synchronously "
+                    "(no staging copy) instead of asynchronously", nbytes, limit)
+                return "off"
+        return mode
+
+    def _agree_done(self) -> bool:
+        """Whether the in-flight save is done on every rank (so all ranks take the same branch)."""
+        done = self._inflight is None or self._inflight.future.done()
+        if self._pg is None:
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
+        return bool(flag.item())
+
+    def _poll(self, block: bool) -> None:
+        """Collect the in-flight save if it finished (or wait for it): commit bookkeeping, retention, metrics."""
+        inflight = self._inflight
+        if inflight is None or (not block and not inflight.future.done()):
+            return
+        self._inflight = None
+        try:
+            inflight.future.result()
+        except BaseException as e:  # noqa: BLE001 - reported on the training side
+            self._save_failed(SaveError(inflight.step, e))
+            return
+        stats = inflight.stats
+        stats.write_s = (inflight.t_done or time.monotonic()) - inflight.t_dispatch
+        stats.committed = True
+        self._committed.add(inflight.step)
+        if self.rank == 0:
+            try:
+                manifest = read_manifest(self.fs, join(self._root_path, step_dirname(inflight.step)))
+                stats.bytes, stats.healthy = manifest.total_bytes, manifest.healthy
+                if not manifest.healthy:
+                    log.warning("ckpt_core: checkpoint at step %d holds non-finite values; it is kept but "
+                                "marked unhealthy and will not be chosen for automatic resume", inflight.step)
+            except (FileNotFoundError, ManifestError) as e:
+                self._save_failed(SaveError(inflight.step, RuntimeError(f"the manifest was not committed: {e}")))
+                return
+            self._retention_futures = [f for f in self._retention_futures if not f.done()]
+            self._retention_futures.append(self._retention.submit(self._apply_retention, stats))
+        else:
+            self._report(stats)
+        log.info("ckpt_core: committed step %d (stall %.3fs, write %.3fs, %d bytes)",
+                 stats.step, stats.blocking_s, stats.write_s, stats.bytes)
+
+    def _save_failed(self, err: SaveError) -> None:
+        if self.settings.on_save_error == "raise":
+            raise err
+        log.warning("ckpt_core: %s; training continues (on_save_error='warn')", err)
+
+    def _apply_retention(self, stats: SaveStats) -> None:
+        try:
+            records = list_records(self.root, self.settings.storage_options)
+            protected = {stats.step}
+            if self.resumed_from is not None:
+                protected.add(self.resumed_from)
+            if self._inflight is not None:
+                protected.add(self._inflight.step)
+            for step in steps_to_delete(records, self.policy, protected):
+                remove_tree(self.fs, join(self._root_path, step_dirname(step)))
+                stats.deleted.append(step)
+            if stats.deleted:
+                log.info("ckpt_core: retention deleted steps %s", stats.deleted)
+        except Exception as e:  # noqa: BLE001 - retention must never break training
+            log.warning("ckpt_core: retention failed: %s", e)
+        self._report(stats)
+
+    def _report(self, stats: SaveStats) -> None:
+        self.last_save_stats = stats
+        self.save_history.append(stats)
+        for cb in self._metrics_callbacks:
+            try:
+                cb(stats)
+            except Exception as e:  # noqa: BLE001
+                log.warning("ckpt_core: metrics callback failed: %s", e)
+
+    def add_metrics_callback(self, cb: Callable[[SaveStats], None]) -> None:
+        self._metrics_callbacks.append(cb)
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed and retention has run."""
+        self._poll(block=True)
+        for f in list(self._retention_futures):
+            f.result()
+        self._retention_futures = []
+
+    def close(self) -> None:
+        """Flush and release staging buffers and threads. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._stager is not None:
+                self._stager.close()
+            if self._retention is not None:
+                self._retention.shutdown(wait=True)
+            _LIVE.discard(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed; create a new one")
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- listing
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint directory under the root, oldest first (committed or not)."""
+        return list_records(self.root, self.settings.storage_options)
+
+    def latest(self) -> Optional[CheckpointInfo]:
+        cands = choose_for_restore(self.list())
+        return cands[0] if cands else None
+
+    # --------------------------------------------------------------- restore
+    def restore(self, state: TrainState, step: Optional[int] = None) -> Optional[CheckpointInfo]:
+        """Restore the newest valid checkpoint (or exactly ``step``) into ``state``.
+
+        Returns the restored checkpoint, or None when the root holds none (start
+        fresh). Corrupt or incomplete checkpoints are skipped with a warning
+        naming them; nothing is applied until a whole checkpoint loaded and its
+        fingerprint matched.
+        """
+        self._check_open()
+        candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
+        if step is not None and not candidates:
+            raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
+        for rec in candidates:
+            problem = self._broadcast(self._problem(rec) if self.rank == 0 else None)
+            if problem is None:
+                try:
+                    self._load_and_apply(rec, state)
+                except _Unloadable as e:
+                    problem = str(e)
+            if problem is None:
+                self.resumed_from = rec.step
+                self._committed.add(rec.step)
+                self._last_save_time = time.monotonic()
+                log.info("ckpt_core: restored step %d from %s", rec.step, rec.path)
+                return rec
+            msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
+            if step is not None:
+                raise RestoreError(msg)
+            if self.rank == 0:
+                warnings.warn(msg + "; falling back to an older checkpoint", stacklevel=2)
+            log.warning("ckpt_core: %s; falling back", msg)
+        if candidates:
+            raise RestoreError(f"no checkpoint under {self.root} could be restored (tried steps "
+                               f"{[r.step for r in candidates]}); see the warnings above")
+        return None
+
+    def _candidates(self, step: Optional[int]) -> list[CheckpointInfo]:
+        records = self.list()
+        self._committed |= {r.step for r in records if r.committed}
+        return choose_for_restore(records, step)
+
+    def _problem(self, rec: CheckpointInfo) -> Optional[str]:
+        try:
+            manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
+        except (FileNotFoundError, ManifestError) as e:
+            return f"manifest: {e}"
+        return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options)
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not _dist_on() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
+        reader = make_reader(rec.path)
+        try:
+            metadata = reader.read_metadata()
+            template, wanted = state.load_template(metadata, manifest.world_size)
+            reader = make_reader(rec.path)
+            dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
+        except StateMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any load failure means: fall back
+            raise _Unloadable(f"loading failed: {type(e).__name__}: {e}") from e
+        flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
+        diffs = fp.compare(manifest.fingerprint, fp.global_entries(flat, self._pg))
+        if diffs:
+            raise _Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
+        state.apply(template, wanted, manifest.world_size)
+        after, _ = flatten_state_dict(state._model_optim())
+        diffs = fp.compare(manifest.fingerprint, fp.global_entries(after, self._pg))
+        if diffs:
+            raise RestoreError(
+                f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "
+                + "; ".join(diffs[:5]))
+
+
+class _Unloadable(Exception):
+    pass
+
+
+def _state_bytes(state: TrainState) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in _iter_tensors(state._model_optim()):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _iter_tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v)

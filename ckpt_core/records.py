@@ -1,0 +1,36 @@
+"""Plain-data description of the checkpoints found under a root.
+
+Everything that decides (retention, restore choice, schedule) works on these
+records, never on storage or ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One ``step_<N>/`` directory under a checkpoint root.
+
+    ``committed`` means ``manifest.json`` exists and parses; an uncommitted
+    directory is an in-progress or torn save and is never loaded.
+    """
+
+    step: int
+    path: str
+    committed: bool
+    permanent: bool = False
+    healthy: bool = True
+    wall_time: float = 0.0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    world_size: Optional[int] = None
+    epoch: Optional[int] = None
+    total_bytes: int = 0
+    num_files: int = 0
+    problem: Optional[str] = None
+
+
+CheckpointInfo = CheckpointRecord
+"""Public name for what ``CheckpointManager.list()``/``restore()`` return."""
