@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .discovery import choose_for_restore, list_records, validate  # noqa: E402
 from .manager import CheckpointManager, RestoreError, SaveError, SaveStats  # noqa: E402
 from .manifest import Manifest, ManifestError  # noqa: E402
+from .preemption import Preempted  # noqa: E402
 from .records import CheckpointInfo, CheckpointRecord  # noqa: E402
 from .sampler import ResumableDistributedSampler, ResumableLoader  # noqa: E402
 from .settings import CheckpointSettings  # noqa: E402
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointSettings",
     "Manifest",
     "ManifestError",
+    "Preempted",
     "ResumableDistributedSampler",
     "ResumableLoader",
     "RestoreError",

@@ -12,6 +12,7 @@ buffers (DCP, resharding) -> verify the fingerprint -> apply -> verify again.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import time
 import warnings
@@ -31,12 +32,15 @@ from . import fingerprint as fp
 from .dcp_io import SafeLoadPlanner, make_reader, make_writer
 from .discovery import choose_for_restore, list_records, read_manifest, validate
 from .manifest import ManifestError
+from .preemption import Preempted, PreemptionWatcher
 from .records import CheckpointInfo
 from .retention import build_policy, mark_permanent, steps_to_delete
 from .schedule import SaveSchedule
 from .settings import CheckpointSettings
 from .state import StateMismatchError, TrainState
-from .storage import get_fs, join, remove_tree, step_dirname
+from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
+
+LOSSES_NAME = "first_losses.json"
 
 log = logging.getLogger("ckpt_core")
 
@@ -186,12 +190,29 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._n_saves = 0
         self._closed = False
+        self._preempt = PreemptionWatcher() if s.handle_preemption else None
+        self._loss_window: Optional[tuple[int, list]] = None
+        self._expected_losses: dict[int, float] = {}
+        self.resume_check_failures: list[str] = []
+        self.last_restore_timings: dict[str, float] = {}
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
-        """Save if the schedule says so (a decision every rank agrees on). Returns whether a save started."""
+        """Save if the schedule says so (a decision every rank agrees on). Returns whether a save started.
+
+        After a preemption signal on any rank, every rank saves this step, waits
+        until it is durable and raises ``Preempted`` (a ``SystemExit`` with
+        ``preemption_exit_code``).
+        """
         self._poll(block=False)
+        if self._preempt is not None:
+            signum = self._preempt.agreed(self._pg)
+            if signum is not None:
+                log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
+                self.save(step, state, metrics=metrics)
+                self.wait()
+                raise Preempted(step, signum, self.settings.preemption_exit_code)
         elapsed = time.monotonic() - self._last_save_time
         due = self.schedule.should_save(step, elapsed)
         if self.schedule.needs_time_sync and self._pg is not None:
@@ -261,6 +282,8 @@ class CheckpointManager:
         self._n_saves += 1
         self._last_save_time = t1
         self.schedule.record_cost(stats.blocking_s)
+        if self.settings.resume_check_steps and self.rank == 0:
+            self._loss_window = (step, [])
         inflight = _InFlight(step=step, future=fut, stats=stats, t_dispatch=t0)
         fut.add_done_callback(lambda _f, i=inflight: setattr(i, "t_done", time.monotonic()))
         self._inflight = inflight
@@ -352,6 +375,54 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001
                 log.warning("ckpt_core: metrics callback failed: %s", e)
 
+    def record_loss(self, step: int, loss: float) -> None:
+        """Record the training loss of ``step`` (rank 0's value is what counts).
+
+        The first ``resume_check_steps`` losses after each save are stored next
+        to that checkpoint; after a resume at the same world size the first
+        losses are compared with them, and a mismatch warns or raises
+        (``resume_check``): the resumed run is not the run that was saved.
+        """
+        if self.rank != 0:
+            return
+        loss = float(loss)
+        if step in self._expected_losses:
+            expected = self._expected_losses.pop(step)
+            if not (loss == expected or abs(loss - expected) <= 1e-6 * max(abs(expected), 1e-12)):
+                msg = (f"resume check: loss at step {step} is {loss!r} after the resume, {expected!r} in the "
+                       f"original run: the resumed run diverged from the saved one")
+                self.resume_check_failures.append(msg)
+                if self.settings.resume_check == "raise":
+                    raise RestoreError(msg)
+                warnings.warn(msg, stacklevel=2)
+                log.warning("ckpt_core: %s", msg)
+            elif not self._expected_losses:
+                log.info("ckpt_core: resume check passed: the first losses match the original run")
+        window = self._loss_window
+        if window is not None and step > window[0]:
+            window[1].append([step, loss])
+            if len(window[1]) >= self.settings.resume_check_steps:
+                self._loss_window = None
+                path = join(self._root_path, step_dirname(window[0]), LOSSES_NAME)
+                body = json.dumps({"step": window[0], "losses": window[1]}).encode()
+                self._retention_futures.append(self._retention.submit(self._write_quiet, path, body))
+
+    def _write_quiet(self, path: str, body: bytes) -> None:
+        try:
+            write_bytes_durable(self.fs, path, body)
+        except Exception as e:  # noqa: BLE001 - a missing loss record only disables the resume check
+            log.warning("ckpt_core: could not record losses at %s: %s", path, e)
+
+    def _load_expected_losses(self, rec: CheckpointInfo) -> None:
+        self._expected_losses = {}
+        if self.rank != 0 or self.settings.resume_check == "off" or rec.world_size != self.world_size:
+            return
+        try:
+            body = json.loads(self.fs.cat_file(join(self._root_path, step_dirname(rec.step), LOSSES_NAME)))
+            self._expected_losses = {int(st): float(lo) for st, lo in body["losses"]}
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return
+
     def add_metrics_callback(self, cb: Callable[[SaveStats], None]) -> None:
         self._metrics_callbacks.append(cb)
 
@@ -363,13 +434,15 @@ class CheckpointManager:
         self._retention_futures = []
 
     def close(self) -> None:
-        """Flush and release staging buffers and threads. Safe to call twice."""
+        """Flush and release staging buffers, threads and signal handlers. Safe to call twice."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            if self._preempt is not None:
+                self._preempt.uninstall()
             if self._stager is not None:
                 self._stager.close()
             if self._retention is not None:
@@ -396,6 +469,12 @@ class CheckpointManager:
         return cands[0] if cands else None
 
     # --------------------------------------------------------------- restore
+    def resume(self, state: TrainState) -> Optional[CheckpointInfo]:
+        """Restore as the settings say: nothing when ``resume=False``, ``resume_step`` when set, else the newest valid."""
+        if not self.settings.resume:
+            return None
+        return self.restore(state, step=self.settings.resume_step)
+
     def restore(self, state: TrainState, step: Optional[int] = None) -> Optional[CheckpointInfo]:
         """Restore the newest valid checkpoint (or exactly ``step``) into ``state``.
 
@@ -405,11 +484,14 @@ class CheckpointManager:
         fingerprint matched.
         """
         self._check_open()
+        t0 = time.monotonic()
+        self.last_restore_timings = {}
         candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
         if step is not None and not candidates:
             raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
         for rec in candidates:
             problem = self._broadcast(self._problem(rec) if self.rank == 0 else None)
+            self.last_restore_timings["discover"] = time.monotonic() - t0
             if problem is None:
                 try:
                     self._load_and_apply(rec, state)
@@ -419,7 +501,11 @@ class CheckpointManager:
                 self.resumed_from = rec.step
                 self._committed.add(rec.step)
                 self._last_save_time = time.monotonic()
-                log.info("ckpt_core: restored step %d from %s", rec.step, rec.path)
+                self._load_expected_losses(rec)
+                if step is not None:
+                    self._set_aside_newer(step)
+                log.info("ckpt_core: restored step %d from %s in %.2fs %s", rec.step, rec.path,
+                         time.monotonic() - t0, self.last_restore_timings)
                 return rec
             msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
             if step is not None:
@@ -431,6 +517,23 @@ class CheckpointManager:
             raise RestoreError(f"no checkpoint under {self.root} could be restored (tried steps "
                                f"{[r.step for r in candidates]}); see the warnings above")
         return None
+
+    def _set_aside_newer(self, step: int) -> None:
+        """After a rollback to ``step``, move newer checkpoints to ``rolled_back/<time>/`` (never delete them)."""
+        if self.rank == 0:
+            newer = [r for r in self.list() if r.step > step]
+            if newer:
+                dest = join(self._root_path, "rolled_back", time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+                self.fs.makedirs(dest, exist_ok=True)
+                for r in newer:
+                    self.fs.mv(join(self._root_path, step_dirname(r.step)),
+                               join(dest, step_dirname(r.step)), recursive=True)
+                    self._committed.discard(r.step)
+                log.warning("ckpt_core: rolled back to step %d; moved newer checkpoints %s to %s",
+                            step, [r.step for r in newer], dest)
+        self._committed = {c for c in self._committed if c <= step}
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
 
     def _candidates(self, step: Optional[int]) -> list[CheckpointInfo]:
         records = self.list()
@@ -454,6 +557,7 @@ class CheckpointManager:
     def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        t0 = time.monotonic()
         manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
         reader = make_reader(rec.path)
         try:
@@ -465,13 +569,18 @@ class CheckpointManager:
             raise
         except Exception as e:  # noqa: BLE001 - any load failure means: fall back
             raise _Unloadable(f"loading failed: {type(e).__name__}: {e}") from e
+        t1 = time.monotonic()
         flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
         diffs = fp.compare(manifest.fingerprint, fp.global_entries(flat, self._pg))
         if diffs:
             raise _Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
+        t2 = time.monotonic()
         state.apply(template, wanted, manifest.world_size)
+        t3 = time.monotonic()
         after, _ = flatten_state_dict(state._model_optim())
         diffs = fp.compare(manifest.fingerprint, fp.global_entries(after, self._pg))
+        self.last_restore_timings.update(
+            load=t1 - t0, apply=t3 - t2, verify=(t2 - t1) + (time.monotonic() - t3))
         if diffs:
             raise RestoreError(
                 f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "

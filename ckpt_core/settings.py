@@ -45,6 +45,9 @@ class CheckpointSettings:
         resume_step: restore exactly this step (a rollback) instead of the newest.
         resume_check: compare the first losses after a resume with the recorded ones:
             ``warn``, ``raise`` or ``off``.
+        resume_check_steps: how many losses after each checkpoint are recorded and compared.
+        handle_preemption: on SIGTERM/SIGUSR1, save at the next step boundary and exit.
+        preemption_exit_code: the exit code after a preemption save (143 = 128 + SIGTERM).
     """
 
     dirpath: str = "checkpoints"
@@ -68,6 +71,9 @@ class CheckpointSettings:
     resume: bool = True
     resume_step: Optional[int] = None
     resume_check: str = "warn"
+    resume_check_steps: int = 3
+    handle_preemption: bool = True
+    preemption_exit_code: int = 143
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +93,12 @@ class CheckpointSettings:
                 raise bad(name, "a positive integer or None")
         if self.resume_step is not None and (not isinstance(self.resume_step, int) or self.resume_step < 0):
             raise bad("resume_step", "an integer >= 0 or None")
+        if isinstance(self.resume_check_steps, bool) or not isinstance(self.resume_check_steps, int) or self.resume_check_steps < 0:
+            raise bad("resume_check_steps", "an integer >= 0")
+        if isinstance(self.preemption_exit_code, bool) or not isinstance(self.preemption_exit_code, int) or not 0 <= self.preemption_exit_code <= 255:
+            raise bad("preemption_exit_code", "an integer in [0, 255]")
+        if not isinstance(self.handle_preemption, bool):
+            raise bad("handle_preemption", "true or false")
         if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or self.writer_threads < 1:
             raise bad("writer_threads", "an integer >= 1")
         for name in ("every_seconds", "device_mtbf_hours", "keep_every_seconds"):
