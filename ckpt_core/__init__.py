@@ -1,32 +1,47 @@
-"""Fault-tolerant checkpointing for PyTorch training: the framework-agnostic core."""
+"""Fault-tolerant checkpointing for PyTorch training: the framework-agnostic core.
+
+Names are imported lazily so that light commands (``ckpt ls``, ``ckpt verify``)
+start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .discovery import choose_for_restore, list_records, validate  # noqa: E402
-from .manager import CheckpointManager, RestoreError, SaveError, SaveStats  # noqa: E402
-from .manifest import Manifest, ManifestError  # noqa: E402
-from .preemption import Preempted  # noqa: E402
-from .records import CheckpointInfo, CheckpointRecord  # noqa: E402
-from .sampler import ResumableDistributedSampler, ResumableLoader  # noqa: E402
-from .settings import CheckpointSettings  # noqa: E402
-from .state import StateMismatchError, TrainState  # noqa: E402
+_EXPORTS = {
+    "CheckpointManager": "manager",
+    "RestoreError": "manager",
+    "SaveError": "manager",
+    "SaveStats": "manager",
+    "Manifest": "manifest",
+    "ManifestError": "manifest",
+    "Preempted": "preemption",
+    "CheckpointInfo": "records",
+    "CheckpointRecord": "records",
+    "ResumableDistributedSampler": "sampler",
+    "ResumableLoader": "sampler",
+    "CheckpointSettings": "settings",
+    "StateMismatchError": "state",
+    "TrainState": "state",
+    "choose_for_restore": "discovery",
+    "list_records": "discovery",
+    "validate": "discovery",
+}
 
-__all__ = [
-    "CheckpointInfo",
-    "CheckpointManager",
-    "CheckpointRecord",
-    "CheckpointSettings",
-    "Manifest",
-    "ManifestError",
-    "Preempted",
-    "ResumableDistributedSampler",
-    "ResumableLoader",
-    "RestoreError",
-    "SaveError",
-    "SaveStats",
-    "StateMismatchError",
-    "TrainState",
-    "choose_for_restore",
-    "list_records",
-    "validate",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -16,10 +16,13 @@ save: inline, in a background thread, or in the background process.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
+import logging
 import json
 import os
 import pickle
+import time
 from typing import Any, Iterator, Mapping, Optional
 
 import crc32c
@@ -35,6 +38,8 @@ from . import fingerprint as fp
 from .manifest import FileEntry, build_manifest
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, write_bytes_durable
 
+log = logging.getLogger("ckpt_core")
+
 SIDECAR_SUFFIX = ".ckptpart.json"
 
 
@@ -45,8 +50,9 @@ def sidecar_name(rank_prefix: str) -> str:
 class _HashingStream(io.RawIOBase):
     """Forwards writes to ``raw`` while keeping a running CRC32C and byte count."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, owner: "_HashingFileSystem") -> None:
         self._raw = raw
+        self._owner = owner
         self.crc = 0
         self.size = 0
 
@@ -56,7 +62,12 @@ class _HashingStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self.crc = crc32c.crc32c(mv, self.crc)
-        n = self._raw.write(mv)
+        try:
+            n = self._raw.write(mv)
+        except Exception as e:
+            # torch.save's zip writer replaces I/O errors by its own; keep the real cause
+            self._owner.last_error = e
+            raise
         n = len(mv) if n is None else n
         self.size += n
         return n
@@ -83,6 +94,7 @@ class _HashingFileSystem:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.records: dict[str, tuple[int, int]] = {}
+        self.last_error: Optional[BaseException] = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "inner" not in self.__dict__:
@@ -95,18 +107,50 @@ class _HashingFileSystem:
             if "w" not in mode:
                 yield stream
                 return
-            hashing = _HashingStream(stream)
+            hashing = _HashingStream(stream, self)
             yield hashing
         self.records[os.path.basename(os.fspath(path))] = (hashing.size, hashing.crc)
 
 
-class _CommitMixin:
-    """Adds checksums, per-rank sidecars and the manifest commit to a DCP writer."""
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT}
 
-    def _init_commit(self, manifest_fields: Mapping[str, Any], storage_url: str) -> None:
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a storage error is worth retrying (network hiccups), not a full disk or a bad path."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno not in _PERMANENT_ERRNOS
+    name = type(exc).__name__
+    return name in ("ClientError", "EndpointConnectionError", "ReadTimeoutError", "ServerDisconnectedError")
+
+
+def with_retries(fn: Any, what: str, retries: int, backoff_s: float) -> Any:
+    """Call ``fn``; retry transient storage errors with exponential backoff."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            if attempt == retries or not is_transient(e):
+                raise
+            delay = backoff_s * (2**attempt)
+            log.warning("ckpt_core: %s failed (%s: %s); retry %d/%d in %.2fs",
+                        what, type(e).__name__, e, attempt + 1, retries, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class _CommitMixin:
+    """Adds checksums, per-rank sidecars, retries and the manifest commit to a DCP writer."""
+
+    def _init_commit(self, manifest_fields: Mapping[str, Any], storage_url: str,
+                     storage_options: Optional[Mapping[str, Any]], retries: int, backoff_s: float) -> None:
         self.fs = _HashingFileSystem(self.fs)
         self._manifest_fields = dict(manifest_fields)
         self._storage_url = storage_url
+        self._storage_options = dict(storage_options or {})
+        self._retries = retries
+        self._backoff_s = backoff_s
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         prefix = plan.storage_data.prefix
@@ -115,20 +159,39 @@ class _CommitMixin:
             if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn):
                 t = planner.resolve_data(item)
                 sums = fp.combine([sums, {item.index.fqn: fp.tensor_entry(t)}])
-        fut = super().write_data(plan, planner)  # type: ignore[misc]
-        fut.wait()
+
+        def write_all() -> Any:
+            for name in [n for n in self.fs.records if n.startswith(prefix)]:
+                del self.fs.records[name]
+            self.fs.last_error = None
+            try:
+                fut = super(_CommitMixin, self).write_data(plan, planner)  # type: ignore[misc]
+                fut.wait()
+            except Exception as e:
+                cause, self.fs.last_error = self.fs.last_error, None
+                if cause is not None and cause is not e:
+                    raise cause from e
+                raise
+            if len(fut.value()) != len(plan.items):
+                raise OSError(errno.EIO, f"only {len(fut.value())} of {len(plan.items)} items were written")
+            return fut
+
+        fut = with_retries(write_all, f"writing the shards of rank prefix {prefix}", self._retries, self._backoff_s)
         files = {name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)}
-        part = {"prefix": prefix, "files": files, "fingerprint": sums}
-        path = self.fs.concat_path(self.path, sidecar_name(prefix))
-        with self.fs.create_stream(path, "wb") as stream:
-            stream.write(json.dumps(part).encode())
-            if self.sync_files:
-                with contextlib.suppress(AttributeError, io.UnsupportedOperation):
-                    os.fsync(stream.fileno())
+        part = json.dumps({"prefix": prefix, "files": files, "fingerprint": sums}).encode()
+
+        def write_part() -> None:
+            with self.fs.create_stream(self.fs.concat_path(self.path, sidecar_name(prefix)), "wb") as stream:
+                stream.write(part)
+                if self.sync_files:
+                    with contextlib.suppress(AttributeError, io.UnsupportedOperation):
+                        os.fsync(stream.fileno())
+
+        with_retries(write_part, f"writing {sidecar_name(prefix)}", self._retries, self._backoff_s)
         return fut
 
     def finish(self, metadata: Metadata, results: list) -> None:
-        fs, root = get_fs(self._storage_url)
+        fs, root = get_fs(self._storage_url, **self._storage_options)
         files: dict[str, FileEntry] = {}
         parts = []
         for i in range(len(results)):
@@ -142,7 +205,8 @@ class _CommitMixin:
             for fname, (size, crc) in body["files"].items():
                 files[fname] = FileEntry(int(size), int(crc))
             parts.append({k: tuple(v) for k, v in body["fingerprint"].items()})
-        super().finish(metadata, results)  # type: ignore[misc]
+        with_retries(lambda: super(_CommitMixin, self).finish(metadata, results),  # type: ignore[misc]
+                     "writing .metadata", self._retries, self._backoff_s)
         size, crc = self.fs.records[f"{DCP_METADATA_NAME}.tmp"]
         files[DCP_METADATA_NAME] = FileEntry(size, crc)
         manifest = build_manifest(
@@ -151,32 +215,37 @@ class _CommitMixin:
             world_size=len(results),
             **self._manifest_fields,
         )
-        write_bytes_durable(fs, join(root, MANIFEST_NAME), manifest.to_json().encode())
+        body = manifest.to_json().encode()
+        with_retries(lambda: write_bytes_durable(fs, join(root, MANIFEST_NAME), body),
+                     "writing manifest.json", self._retries, self._backoff_s)
 
 
 class LocalCommitWriter(_CommitMixin, FileSystemWriter):
     """``FileSystemWriter`` (plain files, fsync) with checksums and the manifest commit."""
 
-    def __init__(self, path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> None:
+    def __init__(self, path: str, manifest_fields: Mapping[str, Any], retries: int = 3,
+                 backoff_s: float = 0.5, **kwargs: Any) -> None:
         FileSystemWriter.__init__(self, path, **kwargs)
-        self._init_commit(manifest_fields, path)
+        self._init_commit(manifest_fields, path, None, retries, backoff_s)
 
 
 class FsspecCommitWriter(_CommitMixin, FsspecWriter):
     """``FsspecWriter`` (any fsspec URL) with checksums and the manifest commit."""
 
-    def __init__(self, path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> None:
-        FsspecWriter.__init__(self, path, **kwargs)
-        self._init_commit(manifest_fields, path)
+    def __init__(self, path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,
+                 retries: int = 3, backoff_s: float = 0.5, **kwargs: Any) -> None:
+        FsspecWriter.__init__(self, path, **kwargs, **dict(storage_options or {}))
+        self._init_commit(manifest_fields, path, storage_options, retries, backoff_s)
 
 
-def make_writer(path: str, manifest_fields: Mapping[str, Any], **kwargs: Any) -> Any:
+def make_writer(path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,
+                **kwargs: Any) -> Any:
     """The right commit writer for ``path``: plain files locally, fsspec otherwise."""
-    fs, _ = get_fs(path)
+    fs, _ = get_fs(path, **dict(storage_options or {}))
     if is_local(fs):
         return LocalCommitWriter(_local_path(path), manifest_fields, **kwargs)
     kwargs.setdefault("sync_files", False)
-    return FsspecCommitWriter(path, manifest_fields, **kwargs)
+    return FsspecCommitWriter(path, manifest_fields, storage_options, **kwargs)
 
 
 def _local_path(path: str) -> str:
@@ -241,16 +310,16 @@ class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
     pass
 
 
-def make_reader(path: str) -> Any:
-    fs, _ = get_fs(path)
+def make_reader(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> Any:
+    fs, _ = get_fs(path, **dict(storage_options or {}))
     if is_local(fs):
         return SafeLocalReader(_local_path(path))
-    return SafeFsspecReader(path)
+    return SafeFsspecReader(path, **dict(storage_options or {}))
 
 
-def read_metadata(path: str) -> Metadata:
+def read_metadata(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> Metadata:
     """DCP metadata of a checkpoint directory, read with the restricted unpickler."""
-    return make_reader(path).read_metadata()
+    return make_reader(path, storage_options).read_metadata()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

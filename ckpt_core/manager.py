@@ -44,14 +44,31 @@ LOSSES_NAME = "first_losses.json"
 
 log = logging.getLogger("ckpt_core")
 
+# DCP warns from the thread/process that runs an async save too, where the ``catch_warnings`` around
+# ``dcp.async_save`` below does not reach: a single-process save is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        module="torch.distributed.checkpoint")
+
 
 class SaveError(RuntimeError):
     """A checkpoint save failed; ``step`` names it and ``__cause__`` says why."""
 
     def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(f"checkpoint save at step {step} failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"checkpoint save at step {step} failed: {_describe(cause)}")
         self.step = step
         self.__cause__ = cause
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming the root cause, unwrapping DCP's per-rank CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, err in sorted(failures.items()):
+            inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exc", err)
+            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class RestoreError(RuntimeError):
@@ -247,7 +264,9 @@ class CheckpointManager:
             "metrics": dict(metrics or {}),
             "contents": state.contents(),
         }
-        writer = make_writer(path, fields, thread_count=self.settings.writer_threads)
+        writer = make_writer(path, fields, storage_options=self.settings.storage_options,
+                             thread_count=self.settings.writer_threads, retries=self.settings.write_retries,
+                             backoff_s=self.settings.retry_backoff_s)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         mode = self._mode_for(state)
         t0 = time.monotonic()
@@ -375,6 +394,13 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001
                 log.warning("ckpt_core: metrics callback failed: %s", e)
 
+    def wants_loss(self, step: int) -> bool:
+        """Whether ``record_loss(step, ...)`` would use the loss (lets callers skip a device sync otherwise)."""
+        if self.rank != 0:
+            return False
+        window = self._loss_window
+        return step in self._expected_losses or (window is not None and step > window[0])
+
     def record_loss(self, step: int, loss: float) -> None:
         """Record the training loss of ``step`` (rank 0's value is what counts).
 
@@ -475,13 +501,17 @@ class CheckpointManager:
             return None
         return self.restore(state, step=self.settings.resume_step)
 
-    def restore(self, state: TrainState, step: Optional[int] = None) -> Optional[CheckpointInfo]:
+    def restore(self, state: TrainState, step: Optional[int] = None, *,
+                set_aside_newer: bool = True) -> Optional[CheckpointInfo]:
         """Restore the newest valid checkpoint (or exactly ``step``) into ``state``.
 
         Returns the restored checkpoint, or None when the root holds none (start
         fresh). Corrupt or incomplete checkpoints are skipped with a warning
         naming them; nothing is applied until a whole checkpoint loaded and its
-        fingerprint matched.
+        fingerprint matched. Restoring an explicit ``step`` is a rollback: newer
+        checkpoints are moved to ``rolled_back/`` unless ``set_aside_newer=False``
+        (loading from a root this run does not own, e.g. to start from another
+        run's checkpoint).
         """
         self._check_open()
         t0 = time.monotonic()
@@ -502,7 +532,7 @@ class CheckpointManager:
                 self._committed.add(rec.step)
                 self._last_save_time = time.monotonic()
                 self._load_expected_losses(rec)
-                if step is not None:
+                if step is not None and set_aside_newer:
                     self._set_aside_newer(step)
                 log.info("ckpt_core: restored step %d from %s in %.2fs %s", rec.step, rec.path,
                          time.monotonic() - t0, self.last_restore_timings)
@@ -538,7 +568,18 @@ class CheckpointManager:
     def _candidates(self, step: Optional[int]) -> list[CheckpointInfo]:
         records = self.list()
         self._committed |= {r.step for r in records if r.committed}
-        return choose_for_restore(records, step)
+        chosen = choose_for_restore(records, step)
+        newest = chosen[0].step if chosen else -1
+        for r in records:
+            if r.step > newest and step is None:
+                if r.problem and "unusable" in r.problem:
+                    warnings.warn(f"checkpoint {r.path} (step {r.step}) is skipped: {r.problem}", stacklevel=3)
+                elif r.committed and not r.healthy:
+                    log.warning("ckpt_core: skipping %s (step %d): saved with non-finite values (unhealthy); "
+                                "restore(step=%d) loads it explicitly", r.path, r.step, r.step)
+                elif not r.committed:
+                    log.info("ckpt_core: ignoring %s (step %d): %s", r.path, r.step, r.problem)
+        return chosen
 
     def _problem(self, rec: CheckpointInfo) -> Optional[str]:
         try:
@@ -559,11 +600,12 @@ class CheckpointManager:
 
         t0 = time.monotonic()
         manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
-        reader = make_reader(rec.path)
+        opts = self.settings.storage_options
+        reader = make_reader(rec.path, opts)
         try:
             metadata = reader.read_metadata()
             template, wanted = state.load_template(metadata, manifest.world_size)
-            reader = make_reader(rec.path)
+            reader = make_reader(rec.path, opts)
             dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
         except StateMismatchError:
             raise

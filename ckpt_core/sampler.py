@@ -156,6 +156,8 @@ class ResumableLoader:
                 "torchdata StatefulDataLoader"
             )
         batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None:  # a DataLoader built with batch_sampler= has batch_size None
+            batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
         if self.sampler is not None and batch_size is None:
             raise ValueError("ResumableLoader needs a DataLoader with batch_size set")
         self.batch_size = int(batch_size or 0)

@@ -41,6 +41,8 @@ class CheckpointSettings:
         verify: check before loading: ``none``, ``size`` (default) or ``checksum``.
         max_host_memory_bytes: bound on staging memory; larger states save synchronously.
         writer_threads: DCP writer threads per rank.
+        write_retries: retries of a write that failed with a transient storage error (backoff doubles).
+        retry_backoff_s: the first retry's delay in seconds.
         resume: restore the newest valid checkpoint at start.
         resume_step: restore exactly this step (a rollback) instead of the newest.
         resume_check: compare the first losses after a resume with the recorded ones:
@@ -68,6 +70,8 @@ class CheckpointSettings:
     verify: str = "size"
     max_host_memory_bytes: Optional[int] = None
     writer_threads: int = 1
+    write_retries: int = 3
+    retry_backoff_s: float = 0.5
     resume: bool = True
     resume_step: Optional[int] = None
     resume_check: str = "warn"
@@ -99,6 +103,10 @@ class CheckpointSettings:
             raise bad("preemption_exit_code", "an integer in [0, 255]")
         if not isinstance(self.handle_preemption, bool):
             raise bad("handle_preemption", "true or false")
+        if isinstance(self.write_retries, bool) or not isinstance(self.write_retries, int) or self.write_retries < 0:
+            raise bad("write_retries", "an integer >= 0")
+        if isinstance(self.retry_backoff_s, bool) or not isinstance(self.retry_backoff_s, (int, float)) or self.retry_backoff_s < 0:
+            raise bad("retry_backoff_s", "a number of seconds >= 0")
         if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) or self.writer_threads < 1:
             raise bad("writer_threads", "an integer >= 1")
         for name in ("every_seconds", "device_mtbf_hours", "keep_every_seconds"):

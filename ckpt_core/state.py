@@ -279,7 +279,7 @@ def _check_keys(template: Mapping[str, Any], metadata: Any) -> None:
         md = metadata.state_dict_metadata[k]
         if isinstance(md, TensorStorageMetadata) and isinstance(flat[k], torch.Tensor):
             if tuple(md.size) != tuple(flat[k].shape):
-                shapes.append(f"{k}: checkpoint {tuple(md.size)}, model {tuple(flat[k].shape)}")
+                shapes.append(f"{k[6:]}: checkpoint {tuple(md.size)}, model {tuple(flat[k].shape)}")
     if missing or unexpected or shapes:
         parts = []
         if missing:

@@ -22,6 +22,8 @@ DCP_METADATA_NAME = ".metadata"
 
 def get_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return the fsspec file system for ``url`` and the path inside it."""
+    if str(url).startswith("faulty://"):
+        from . import faults  # noqa: F401  (registers the fault-injection protocol)
     fs, path = url_to_fs(os.fspath(url), **storage_options)
     return fs, path
 

@@ -1,0 +1,451 @@
+"""Shared machinery of the benchmark scripts.
+
+* the benchmarked state: ``N`` fp32 tensors (64 MiB each by default) as the
+  ``nn.Parameter``s of a plain module, sharded along dim 0 over the ranks as
+  DTensors when there is more than one rank (every rank holds ``1/world`` of
+  the state, as with FSDP);
+* workers: every measurement runs in a fresh interpreter
+  (``python -m benchmarks.<script> --worker spec.json``), with one process per
+  rank (``torch.multiprocessing`` spawn over gloo) when ``ranks > 1``;
+* host memory: a sampler thread sums the anonymous memory of a rank and all
+  its descendants (DCP's background writer process included) plus shared
+  memory once (the staging buffers), next to the exact ``ru_maxrss`` of the
+  rank and of its children;
+* small helpers: fsync'd sequential writes, page-cache eviction, medians,
+  machine description, result files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------- state
+def layout(size_bytes: int, tensor_bytes: int) -> list[int]:
+    """Element counts (fp32) of the tensors making up a state of ``size_bytes``."""
+    n_full, rest = divmod(size_bytes, tensor_bytes)
+    sizes = [tensor_bytes // 4] * n_full
+    if rest >= 4:
+        sizes.append(rest // 4)
+    return sizes
+
+
+def build_model(size_bytes: int, tensor_bytes: int, rank: int, world: int, seed: int = 0):
+    """The benchmarked module: fp32 parameters ``w000, w001, ...``; sharded (DTensor, Shard(0)) when world > 1.
+
+    Returns ``(module, local_tensors, local_bytes)``: the tensors this rank
+    holds (the local shards) and their size in bytes.
+    """
+    import torch
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    model = nn.Module()
+    local: list = []
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+    for i, numel in enumerate(layout(size_bytes, tensor_bytes)):
+        numel -= numel % world
+        shard = numel // world
+        t = torch.empty(shard, dtype=torch.float32).uniform_(-1.0, 1.0, generator=gen)
+        local.append(t)
+        if world > 1:
+            from torch.distributed.tensor import DTensor, Shard
+
+            p = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+        else:
+            p = t
+        model.register_parameter(f"w{i:03d}", nn.Parameter(p, requires_grad=False))
+    return model, local, sum(t.numel() * t.element_size() for t in local)
+
+
+# ------------------------------------------------------------ distributed
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_dist(rank: int, world: int, port: int) -> None:
+    """A gloo process group over loopback (also for one rank: DCP's process mode needs one)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def stop_dcp_process() -> None:
+    """Terminate DCP's background checkpoint process (if this process started one) and reap it."""
+    import gc
+
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+    except ImportError:  # pragma: no cover - older torch
+        return
+    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    if proc is None:
+        return
+    ape._CHECKPOINT_PROCESS = None
+    try:
+        proc.__del__()  # sends TERMINATE and joins (DCP's own shutdown path)
+    except Exception:  # noqa: BLE001
+        pass
+    del proc
+    gc.collect()
+
+
+def run_ranks(fn: Callable[[int, int, int, dict], None], world: int, spec: dict) -> None:
+    """Run ``fn(rank, world, port, spec)`` on ``world`` ranks: in this process for one rank, else spawned."""
+    port = free_port()
+    if world == 1:
+        fn(0, 1, port, spec)
+        return
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(world, port, spec), nprocs=world, join=True, start_method="spawn")
+
+
+# ----------------------------------------------------------------- memory
+def _status_kib(pid: int) -> dict:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                    k, v = line.split(":", 1)
+                    out[k] = int(v.split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    return _status_kib(pid).get("VmRSS", 0) * 1024
+
+
+def pss_bytes(pid: int) -> int:
+    """PSS from smaps_rollup (exact for shared pages, but ~10 ms per read for a process with torch loaded)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss_bytes(pid)
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendants of ``pid`` (``/proc/<pid>/task/*/children``; psutil when that is unavailable)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        kids: set[int] = set()
+        ok = False
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids.update(int(x) for x in f.read().split())
+                ok = True
+            except (OSError, ValueError):
+                continue
+        if not ok and p == pid:
+            try:
+                import psutil
+
+                return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            except Exception:  # noqa: BLE001 - processes come and go
+                return []
+        out.extend(sorted(kids))
+        todo.extend(kids)
+    return out
+
+
+def tree_memory(pids: list[int]) -> tuple[int, int]:
+    """(host memory, summed RSS) of a process tree.
+
+    Host memory is the anonymous memory of every process plus shared memory
+    counted once (the largest ``RssShmem``: DCP's process mode maps the same
+    staging buffers in the trainer and in the writer). File-backed pages
+    (libraries, shared with other processes and reclaimable) are left out, so
+    this is what the tree adds to the machine, cheap enough to sample every
+    20 ms (``/proc/<pid>/status``). Summed RSS counts shared pages once per
+    process and is an upper bound.
+    """
+    anon, shmem, rss = 0, 0, 0
+    for p in pids:
+        st = _status_kib(p)
+        anon += st.get("RssAnon", 0)
+        shmem = max(shmem, st.get("RssShmem", 0))
+        rss += st.get("VmRSS", 0)
+    return (anon + shmem) * 1024, rss * 1024
+
+
+class MemSampler:
+    """Samples the host memory of this process and its descendants every ``interval`` seconds.
+
+    See ``tree_memory``: anonymous memory of every process plus shared memory
+    once (DCP's writer process included). ``window()`` starts a new peak window
+    (one variant).
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.pid = os.getpid()
+        self._pids = [self.pid]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.peak = 0
+        self.peak_rss = 0
+        self.samples = 0
+        self._thread = threading.Thread(target=self._run, name="mem-sampler", daemon=True)
+
+    def current(self) -> tuple[int, int]:
+        return tree_memory([self.pid, *descendants(self.pid)])
+
+    def start(self) -> "MemSampler":
+        self._thread.start()
+        return self
+
+    def window(self) -> None:
+        with self._lock:
+            self.peak, self.peak_rss, self.samples = 0, 0, 0
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            if i % 10 == 0:
+                self._pids = [self.pid, *descendants(self.pid)]
+            mem, rss = tree_memory(self._pids)
+            with self._lock:
+                self.peak = max(self.peak, mem)
+                self.peak_rss = max(self.peak_rss, rss)
+                self.samples += 1
+            i += 1
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def maxrss_bytes(who: int = resource.RUSAGE_SELF) -> int:
+    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------- storage
+def fsync_write(path: str, tensors: list, chunk: int = 64 * MiB) -> int:
+    """Write the bytes of ``tensors`` sequentially to ``path`` and fsync it (the storage limit)."""
+    n = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            mv = memoryview(t.numpy()).cast("B")
+            off = 0
+            while off < len(mv):
+                off += os.write(fd, mv[off : off + chunk])
+            n += len(mv)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return n
+
+
+def evict_page_cache(root: str) -> int:
+    """Drop the cached pages of every file under ``root`` (posix_fadvise DONTNEED), so reads hit the disk.
+
+    Only this benchmark's files are touched (no global drop_caches). Returns
+    the number of bytes advised.
+    """
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return total
+
+
+def rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------- workers
+def run_worker(module: str, spec: dict, timeout: float, log_path: Path) -> dict:
+    """Run ``python -m benchmarks.<module> --worker <spec>`` in a fresh process group; return its result JSON.
+
+    On timeout the whole process group (the worker, its ranks and their
+    writer processes) is killed. Raises ``RuntimeError`` with the log tail when
+    the worker fails.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-spec-") as tmp:
+        spec = dict(spec, result_path=os.path.join(tmp, "result.json"))
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(log_path, "ab") as log:
+            log.write(f"\n===== {module} {spec.get('label', '')} =====\n".encode())
+            log.flush()
+            proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", "--worker", spec_path],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RuntimeError(f"worker timed out after {timeout:.0f}s; see {log_path}")
+            finally:
+                # Reap any straggler of this worker's process group (e.g. an orphaned writer process).
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if rc != 0 or not os.path.exists(spec["result_path"]):
+            raise RuntimeError(f"worker failed (rc={rc}):\n{tail(log_path)}")
+        with open(spec["result_path"]) as f:
+            return json.load(f)
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        data = Path(path).read_bytes()[-n:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace")
+
+
+def write_result(spec: dict, result: Any) -> None:
+    with open(spec["result_path"] + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(spec["result_path"] + ".tmp", spec["result_path"])
+
+
+def format_exc() -> str:
+    return traceback.format_exc(limit=8)
+
+
+# ----------------------------------------------------------------- numbers
+def median(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def fmt(x: Optional[float], spec: str = ".3f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "host_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        import psutil
+
+        info["host_memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def save_json(name: str, payload: dict, out: Optional[str]) -> list[Path]:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    paths = [RESULTS_DIR / name]
+    if out:
+        paths.append(Path(out))
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "w") as f:
+            json.dump(payload, f, indent=2)
+    return paths
+
+
+def parse_size(text: str) -> int:
+    """``1``/``0.0625`` are GiB; ``64M``/``512MiB``/``2G`` carry a unit."""
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    mult = GiB
+    if t.endswith("k"):
+        mult, t = 1 << 10, t[:-1]
+    elif t.endswith("m"):
+        mult, t = MiB, t[:-1]
+    elif t.endswith("g"):
+        mult, t = GiB, t[:-1]
+    return int(float(t) * mult)

@@ -1,0 +1,654 @@
+"""``ckpt``: list, inspect, verify, prune and export checkpoints (local paths or any fsspec URL).
+
+Exit codes: 0 success; 1 a checkpoint failed verification (``verify``) or a
+deletion failed (``prune``); 2 bad usage, or a path that is not a checkpoint
+(or root), or a checkpoint that cannot be read/exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import pickle
+import re
+import sys
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+from . import __version__
+from .discovery import choose_for_restore, list_records, read_manifest, validate
+from .manifest import Manifest, ManifestError
+from .records import CheckpointRecord
+from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
+
+__all__ = ["main", "build_parser", "CliError"]
+
+EXIT_OK, EXIT_INVALID, EXIT_ERROR = 0, 1, 2
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class CliError(Exception):
+    """An error the command reports as ``ckpt: error: ...`` with exit code ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------ helpers
+def _out(line: str = "") -> None:
+    print(line, file=sys.stdout)
+
+
+def _progress(total: int, desc: str, unit: str = "B") -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not sys.stderr.isatty(),
+                file=sys.stderr, leave=False)
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} PB"  # pragma: no cover
+
+
+def human_age(seconds: Optional[float]) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = max(0.0, seconds)
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if s < limit:
+            return f"{s / div:.0f}{unit}"
+    return f"{s / 86400:.0f}d"
+
+
+def _table(rows: list[list[str]], right: Sequence[int] = ()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _fs(path: str) -> tuple[Any, str]:
+    try:
+        return get_fs(path)
+    except (ValueError, ImportError) as e:
+        raise CliError(f"cannot open {path}: {e}") from None
+
+
+def _exists(fs: Any, p: str) -> bool:
+    try:
+        return bool(fs.exists(p))
+    except FileNotFoundError:
+        return False
+
+
+def _kind(path: str) -> str:
+    """``"checkpoint"`` or ``"root"``; ``CliError`` (exit 2) naming what is missing otherwise."""
+    fs, p = _fs(path)
+    names = {basename(e["name"]): e for e in list_dir(fs, p)}
+    if MANIFEST_NAME in names or DCP_METADATA_NAME in names:
+        return "checkpoint"
+    if parse_step_dirname(path) is not None:
+        if not names and not _exists(fs, p):
+            raise CliError(f"{path} does not exist")
+        return "checkpoint"
+    if any(e.get("type") == "directory" and parse_step_dirname(n) is not None for n, e in names.items()):
+        return "root"
+    if not names and not _exists(fs, p):
+        raise CliError(f"{path} does not exist")
+    raise CliError(
+        f"{path} is not a checkpoint (no {MANIFEST_NAME}, no {DCP_METADATA_NAME}) "
+        f"nor a checkpoint root (no step_<N> directories)"
+    )
+
+
+def _require_root(path: str) -> None:
+    fs, p = _fs(path)
+    if _kind_quiet(path) == "checkpoint":
+        raise CliError(f"{path} is a checkpoint, not a checkpoint root; give its parent directory "
+                       f"(or use `ckpt inspect {path}`)")
+    if not _exists(fs, p):
+        raise CliError(f"{path} does not exist")
+
+
+def _kind_quiet(path: str) -> Optional[str]:
+    try:
+        return _kind(path)
+    except CliError:
+        return None
+
+
+def _manifest_of(path: str) -> tuple[Optional[Manifest], Optional[str]]:
+    """The manifest of checkpoint ``path``, or why there is none."""
+    fs, p = _fs(path)
+    try:
+        return read_manifest(fs, p), None
+    except FileNotFoundError:
+        return None, f"no {MANIFEST_NAME} (in progress or torn)"
+    except ManifestError as e:
+        return None, f"unusable {MANIFEST_NAME}: {e}"
+
+
+def _record_json(r: CheckpointRecord, now: float) -> dict[str, Any]:
+    return {
+        "step": r.step,
+        "path": r.path,
+        "committed": r.committed,
+        "permanent": r.permanent,
+        "healthy": r.healthy,
+        "bytes": r.total_bytes,
+        "files": r.num_files,
+        "world_size": r.world_size,
+        "epoch": r.epoch,
+        "wall_time": r.wall_time if r.committed else None,
+        "age_s": (now - r.wall_time) if r.committed and r.wall_time else None,
+        "metrics": dict(r.metrics),
+        "problem": r.problem,
+    }
+
+
+@contextlib.contextmanager
+def _storage_options(options: Optional[str], paths: Sequence[str]) -> Iterator[None]:
+    """Apply ``--storage-options`` to the file systems of ``paths`` (through fsspec's config) for one command."""
+    if not options:
+        yield
+        return
+    try:
+        opts = json.loads(options)
+    except ValueError as e:
+        raise CliError(f"--storage-options is not valid JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise CliError("--storage-options must be a JSON object")
+    from fsspec.config import conf
+    from fsspec.core import split_protocol
+
+    protocols = {split_protocol(p)[0] or "file" for p in paths if p}
+    saved = {proto: conf.get(proto) for proto in protocols}
+    for proto in protocols:
+        conf[proto] = {**(conf.get(proto) or {}), **opts}
+    try:
+        yield
+    finally:
+        for proto, old in saved.items():
+            if old is None:
+                conf.pop(proto, None)
+            else:
+                conf[proto] = old
+
+
+# --------------------------------------------------------------------- ls
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = args.root
+    _require_root(root)
+    records = list_records(root)
+    now = time.time()
+    newest_valid: Optional[int] = None
+    problems: dict[int, str] = {}
+    for cand in choose_for_restore(records):
+        manifest, why = _manifest_of(cand.path)
+        problem = why if manifest is None else validate(cand.path, manifest, "size")
+        if problem is None:
+            newest_valid = cand.step
+            break
+        problems[cand.step] = problem
+    if args.json:
+        body = []
+        for r in records:
+            d = _record_json(r, now)
+            d["newest_valid"] = r.step == newest_valid
+            if r.step in problems:
+                d["problem"] = problems[r.step]
+            body.append(d)
+        _out(json.dumps({"root": root, "newest_valid": newest_valid, "checkpoints": body}, indent=1))
+        return EXIT_OK
+    if not records:
+        _out(f"no checkpoints under {root}")
+        return EXIT_OK
+    rows = [["", "STEP", "STATE", "PERMANENT", "HEALTHY", "SIZE", "FILES", "WORLD", "AGE", "NOTE"]]
+    for r in records:
+        if r.committed:
+            state = "invalid" if r.step in problems else "committed"
+            note = problems.get(r.step, "")
+            rows.append([
+                "*" if r.step == newest_valid else "",
+                str(r.step), state, "yes" if r.permanent else "no", "yes" if r.healthy else "NO",
+                human_bytes(r.total_bytes), str(r.num_files), str(r.world_size or "-"),
+                human_age(now - r.wall_time if r.wall_time else None), note,
+            ])
+        else:
+            state = "torn" if (r.problem or "").startswith("no ") else "bad-manifest"
+            rows.append(["", str(r.step), state, "-", "-", "-", "-", "-", "-", r.problem or ""])
+    for line in _table(rows, right=(1, 5, 6, 7, 8)):
+        _out(line)
+    if newest_valid is None:
+        _out(f"no valid checkpoint under {root}: a run resuming here starts from scratch")
+    else:
+        _out(f"* newest valid checkpoint (what a run resumes from): step {newest_valid}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- inspect
+def _tensor_rows(metadata: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    files: dict[str, set[str]] = {}
+    for idx, info in (getattr(metadata, "storage_data", None) or {}).items():
+        files.setdefault(idx.fqn, set()).add(str(getattr(info, "relative_path", "")))
+    tensors, others = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            others.append(fqn)
+            continue
+        ranks = sorted({int(m.group(1)) for f in files.get(fqn, ()) if (m := _SHARD_RE.match(f))})
+        numel = 1
+        for d in md.size:
+            numel *= int(d)
+        tensors.append({
+            "name": fqn,
+            "shape": [int(d) for d in md.size],
+            "dtype": str(md.properties.dtype).replace("torch.", ""),
+            "chunks": len(md.chunks),
+            "ranks": ranks,
+            "bytes": numel * torch.empty((), dtype=md.properties.dtype).element_size(),
+        })
+    return tensors, others
+
+
+def _group(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path = args.path.rstrip("/")
+    if _kind(path) != "checkpoint":
+        raise CliError(f"{path} is a checkpoint root, not a checkpoint; pick one of its step directories "
+                       f"(`ckpt ls {path}`)")
+    fs, p = _fs(path)
+    manifest, why = _manifest_of(path)
+    metadata, md_problem = None, None
+    if _exists(fs, join(p, DCP_METADATA_NAME)):
+        from .dcp_io import read_metadata
+
+        try:
+            metadata = read_metadata(path)
+        except (pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
+            md_problem = f"{DCP_METADATA_NAME} cannot be read: {type(e).__name__}: {e}"
+    else:
+        md_problem = f"no {DCP_METADATA_NAME} (DCP metadata)"
+    if manifest is None and metadata is None:
+        raise CliError(f"{path} is not a checkpoint: {why}; {md_problem}")
+    tensors, others = _tensor_rows(metadata) if metadata is not None else ([], [])
+    step = manifest.step if manifest is not None else parse_step_dirname(path)
+    if args.json:
+        body: dict[str, Any] = {
+            "path": path,
+            "step": step,
+            "committed": manifest is not None,
+            "problem": why,
+            "metadata_problem": md_problem,
+            "manifest": None,
+            "contents": None,
+            "tensors": tensors,
+            "non_tensor_entries": others,
+        }
+        if manifest is not None:
+            body["manifest"] = {
+                "version": manifest.version,
+                "step": manifest.step,
+                "epoch": manifest.epoch,
+                "world_size": manifest.world_size,
+                "wall_time": manifest.wall_time,
+                "permanent": manifest.permanent,
+                "healthy": manifest.healthy,
+                "metrics": dict(manifest.metrics),
+                "versions": dict(manifest.versions),
+                "bytes": manifest.total_bytes,
+                "files": {k: {"size": v.size, "crc32c": v.crc32c} for k, v in sorted(manifest.files.items())},
+            }
+            body["contents"] = dict(manifest.contents)
+        _out(json.dumps(body, indent=1, allow_nan=True))
+        return EXIT_OK
+
+    _out(f"checkpoint {path}")
+    if manifest is None:
+        _out(f"  committed:   NO: {why}; it is never loaded")
+    else:
+        m = manifest
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time)) if m.wall_time else "-"
+        age = human_age(time.time() - m.wall_time) if m.wall_time else "-"
+        _out(f"  committed:   yes (manifest format version {m.version})")
+        _out(f"  step:        {m.step}    epoch: {m.epoch if m.epoch is not None else '-'}    world size: {m.world_size}")
+        _out(f"  saved:       {saved} ({age} ago)")
+        _out(f"  permanent:   {'yes' if m.permanent else 'no'}    healthy: "
+             f"{'yes' if m.healthy else 'NO (non-finite values when saved)'}")
+        _out(f"  files:       {len(m.files)}, {human_bytes(m.total_bytes)}")
+        if m.versions:
+            _out("  versions:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
+        if m.metrics:
+            _out("  metrics:     " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.metrics.items())))
+        c = m.contents
+        _out("state carried:")
+        if not c:
+            _out("  (the manifest does not describe its contents)")
+        else:
+            _out(f"  model:          {'yes' if c.get('model') else 'no'}")
+            _out(f"  optimizers:     {c.get('optimizers', 0)}")
+            _out(f"  schedulers:     {', '.join(c.get('schedulers') or []) or 'none'}")
+            _out(f"  grad scaler:    {c.get('scaler') or 'none'}")
+            _out(f"  RNG states:     {'yes (per rank)' if c.get('rng') else 'no'}")
+            _out(f"  data position:  {c.get('data_position') or 'none'}")
+            _out(f"  extra state:    {', '.join(c.get('extra') or []) or 'none'}")
+            known = {"model", "optimizers", "schedulers", "scaler", "rng", "data_position", "extra"}
+            for k in sorted(set(c) - known):
+                _out(f"  {k + ':':<15} {c[k]}")
+    if md_problem:
+        _out(f"  DCP metadata:  {md_problem}")
+    if metadata is not None:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for t in tensors:
+            groups.setdefault(_group(t["name"]), []).append(t)
+        summary = ", ".join(f"{g}: {len(ts)} ({human_bytes(sum(t['bytes'] for t in ts))})" for g, ts in groups.items())
+        _out(f"tensors ({summary}):")
+        shown = [t for t in tensors if args.all or _group(t["name"]) != "ranks"]
+        if shown:
+            rows = [["NAME", "SHAPE", "DTYPE", "SIZE", "CHUNKS", "RANKS"]]
+            for t in shown:
+                ranks = t["ranks"]
+                rank_txt = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks"
+                rows.append([t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
+                             human_bytes(t["bytes"]), str(t["chunks"]), rank_txt or "-"])
+            for line in _table(rows, right=(3, 4)):
+                _out("  " + line)
+        hidden = len(tensors) - len(shown)
+        if hidden:
+            _out(f"  ... and {hidden} per-rank state blob(s) (ranks.<r>: RNG, schedulers, counters, data position; "
+                 "--all shows them)")
+        if others:
+            og: dict[str, int] = {}
+            for o in others:
+                key = o.rsplit(".", 1)[0] if o.count(".") >= 2 else _group(o)
+                og[key] = og.get(key, 0) + 1
+            _out("non-tensor entries: " + ", ".join(f"{k}.* ({n})" for k, n in og.items()))
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------- verify
+def cmd_verify(args: argparse.Namespace) -> int:
+    target = args.path.rstrip("/") or args.path
+    level = "checksum" if args.checksum else "size"
+    if _kind(target) == "root":
+        records = list_records(target)
+    else:
+        manifest, why = _manifest_of(target)
+        dir_step = parse_step_dirname(target)
+        step = manifest.step if manifest is not None else (-1 if dir_step is None else dir_step)
+        records = [CheckpointRecord(step=step, path=target, committed=manifest is not None, problem=why,
+                                    total_bytes=manifest.total_bytes if manifest else 0)]
+    results: list[dict[str, Any]] = []
+    total = sum(r.total_bytes for r in records if r.committed) if level == "checksum" else 0
+    with _progress(total, f"verify ({level})") as bar:
+        for r in records:
+            problem = r.problem
+            if r.committed:
+                manifest, why = _manifest_of(r.path)
+                problem = why if manifest is None else validate(
+                    r.path, manifest, level, progress=bar.update if level == "checksum" else None)
+            results.append({"step": r.step, "path": r.path, "valid": problem is None, "problem": problem})
+    valid = [x for x in results if x["valid"]]
+    if args.json:
+        _out(json.dumps({"level": level, "valid": len(valid) == len(results), "checkpoints": results}, indent=1))
+    else:
+        for x in results:
+            if x["valid"]:
+                _out(f"OK    step {x['step']:>9}  {x['path']}")
+            else:
+                _out(f"FAIL  step {x['step']:>9}  {x['path']}: {x['problem']}")
+        if not results:
+            _out(f"no checkpoints under {target}")
+        else:
+            _out(f"{len(valid)} of {len(results)} checkpoint(s) valid ({level} check)")
+    return EXIT_OK if len(valid) == len(results) else EXIT_INVALID
+
+
+# ------------------------------------------------------------------ prune
+def _keep_best(text: Optional[str]) -> Optional[tuple]:
+    if text is None:
+        return None
+    from .overrides import parse_value
+
+    try:
+        return parse_value("keep_best", text)
+    except ValueError as e:
+        raise CliError(f"--keep-best {text!r}: {e}") from None
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .retention import build_policy, steps_to_delete
+    from .storage import remove_tree
+
+    root = args.root.rstrip("/") or args.root
+    _require_root(root)
+    try:
+        policy = build_policy(
+            keep_last=args.keep_last,
+            keep_every_n_steps=args.keep_every_n_steps,
+            keep_every_seconds=args.keep_every_seconds,
+            keep_best=_keep_best(args.keep_best),
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    records = list_records(root)
+    by_step = {r.step: r for r in records}
+    doomed = steps_to_delete(records, policy)
+    kept = [r.step for r in records if r.step not in doomed]
+    verb = "would delete" if args.dry_run else "deleting"
+    fs, _ = _fs(root)
+    failed = []
+    freed = 0
+    with _progress(len(doomed) if not args.dry_run else 0, "prune", unit="ckpt") as bar:
+        for step in doomed:
+            r = by_step[step]
+            what = "committed" if r.committed else "uncommitted"
+            _out(f"{verb} step {step} ({what}, {human_bytes(r.total_bytes) if r.committed else '-'}): {r.path}")
+            if args.dry_run:
+                freed += r.total_bytes
+                continue
+            try:
+                remove_tree(fs, _fs(r.path)[1])
+                freed += r.total_bytes
+            except OSError as e:
+                failed.append(step)
+                print(f"ckpt: could not delete {r.path}: {type(e).__name__}: {e}", file=sys.stderr)
+            bar.update(1)
+    summary = "would free" if args.dry_run else "freed"
+    _out(f"{len(doomed)} to delete, {len(kept)} kept (steps {', '.join(map(str, kept)) or 'none'}); "
+         f"{summary} {human_bytes(freed)}")
+    if failed:
+        _out(f"failed to delete steps {failed}")
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------- export
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import ExportError, export_model
+
+    path = args.path.rstrip("/")
+    if _kind(path) != "checkpoint":
+        raise CliError(f"{path} is a checkpoint root, not a checkpoint; pick one of its step directories "
+                       f"(`ckpt ls {path}`)")
+    fmt = args.format
+    if fmt is None:
+        fmt = "torch" if args.out.lower().endswith((".pt", ".pth", ".bin")) else "safetensors"
+    try:
+        result = export_model(path, args.out, format=fmt, dtype=args.dtype,
+                              verify="checksum" if args.checksum else "size",
+                              allow_uncommitted=args.force)
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    dtype = result.dtype or "saved dtypes"
+    step = f"step {result.step}" if result.step is not None else "an uncommitted checkpoint"
+    _out(f"wrote {result.out}: {result.num_tensors} tensors, {human_bytes(result.bytes)} ({fmt}, {dtype}) "
+         f"from {step}")
+    if result.skipped:
+        _out(f"skipped non-tensor entries: {', '.join(result.skipped)}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------- settings
+def cmd_settings(args: argparse.Namespace, flags: list[str]) -> int:
+    from .overrides import resolve_settings, settings_table_markdown
+
+    if args.markdown:
+        sys.stdout.write(settings_table_markdown())
+        return EXIT_OK
+    try:
+        settings, sources = resolve_settings(env=os.environ, argv=flags)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    import dataclasses
+
+    values = dataclasses.asdict(settings)
+    from .overrides import _redact
+
+    values = {k: _redact(k, v) for k, v in values.items()}
+    if args.json:
+        _out(json.dumps({k: {"value": v, "source": sources[k]} for k, v in values.items()}, indent=1, default=str))
+        return EXIT_OK
+    rows = [["SETTING", "VALUE", "SOURCE"]] + [[k, json.dumps(v, default=str), sources[k]] for k, v in values.items()]
+    for line in _table(rows):
+        _out(line)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckpt",
+        description="Inspect and manage fault-tolerant checkpoints (local paths or fsspec URLs: s3://, gs://, memory://).",
+        epilog="exit codes: 0 ok, 1 verification failed, 2 usage error or not a checkpoint",
+    )
+    parser.add_argument("--version", action="version", version=f"ckpt {__version__}")
+    parser.add_argument("--storage-options", metavar="JSON", default=os.environ.get("CKPT_STORAGE_OPTIONS"),
+                        help="fsspec storage options as a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}' "
+                             "(default: $CKPT_STORAGE_OPTIONS)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of short error messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("ls", help="list the checkpoints under a root", description="List the checkpoints under ROOT, "
+                       "oldest first; * marks the newest valid one (what a resuming run loads).")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls, paths=lambda a: [a.root])
+
+    p = sub.add_parser("inspect", help="show a checkpoint's manifest, tensors and carried state",
+                       description="Show the manifest, the tensors (shape, dtype, sharding) and the state a "
+                       "checkpoint carries.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all", action="store_true", help="also list the per-rank state blobs")
+    p.set_defaults(func=cmd_inspect, paths=lambda a: [a.path])
+
+    p = sub.add_parser("verify", help="validate a checkpoint or every checkpoint under a root",
+                       description="Check that checkpoints are committed and complete: file sizes against the "
+                       "manifest, or CRC32C checksums of every byte with --checksum. Exit 0 when all are valid, 1 "
+                       "otherwise.")
+    p.add_argument("path", metavar="PATH|ROOT")
+    p.add_argument("--checksum", action="store_true", help="read every file and compare CRC32C checksums")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify, paths=lambda a: [a.path])
+
+    p = sub.add_parser("prune", help="delete checkpoints by the retention policy",
+                       description="Delete the checkpoints the training-side retention policy would delete. "
+                       "Never deleted: the newest committed and newest healthy checkpoints, permanent ones, and "
+                       "uncommitted directories newer than the newest committed one (a save may be in progress).")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--keep-last", type=int, required=True, metavar="K", help="keep the newest K healthy checkpoints")
+    p.add_argument("--keep-every-n-steps", type=int, metavar="N", help="also keep steps that are multiples of N")
+    p.add_argument("--keep-every-seconds", type=float, metavar="T", help="also keep one checkpoint per T seconds")
+    p.add_argument("--keep-best", metavar="METRIC,MODE,N", help="also keep the N best by a metric, e.g. val_loss,min,2")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.set_defaults(func=cmd_prune, paths=lambda a: [a.root])
+
+    p = sub.add_parser("export", help="consolidate the model weights into one file for inference",
+                       description="Write the model weights (keys under 'model.', prefix stripped) of a sharded "
+                       "checkpoint to one safetensors or torch file. Needs no process group; the optimizer state "
+                       "is not read.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--format", choices=("safetensors", "torch"), default=None,
+                   help="output format (default: torch for .pt/.pth/.bin, else safetensors)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="cast floating-point weights (default: keep the saved dtypes)")
+    p.add_argument("--checksum", action="store_true", help="verify CRC32C checksums before exporting")
+    p.add_argument("--force", action="store_true", help="export even an uncommitted (torn) checkpoint")
+    p.set_defaults(func=cmd_export, paths=lambda a: [a.path, a.out])
+
+    p = sub.add_parser("settings", help="show the effective checkpoint settings and where each comes from",
+                       description="Resolve the checkpoint settings from CKPT_<NAME> environment variables and "
+                       "--ckpt.<name>=value flags, as a training run would (without its code arguments).")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="print the settings reference table (for the README)")
+    p.set_defaults(func=None, paths=lambda a: [])
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``ckpt`` command line; returns the exit code."""
+    from .overrides import pop_ckpt_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        ckpt_flags_raw, rest = pop_ckpt_flags(argv)
+    except ValueError as e:
+        parser.print_usage(sys.stderr)
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    ckpt_flags = [f"--ckpt.{k}={v}" for k, v in ckpt_flags_raw.items()]
+    try:
+        args = parser.parse_args(rest)
+    except SystemExit as e:  # argparse: --help, --version, usage errors
+        return int(e.code) if isinstance(e.code, int) else (EXIT_ERROR if e.code else EXIT_OK)
+    if ckpt_flags_raw and args.command != "settings":
+        print(f"ckpt: error: --ckpt.<name> flags only apply to `ckpt settings`, got {' '.join(ckpt_flags)}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        with _storage_options(args.storage_options, args.paths(args)):
+            if args.command == "settings":
+                return cmd_settings(args, ckpt_flags)
+            return args.func(args)
+    except CliError as e:
+        if args.debug:
+            raise
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("ckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return EXIT_OK
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        if args.debug:
+            raise
+        print(f"ckpt: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

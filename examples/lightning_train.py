@@ -1,0 +1,224 @@
+"""A small Lightning run with ``DistributedCheckpoint``: dropout, AdamW, a LR scheduler, shuffled data.
+
+    python examples/lightning_train.py --dirpath /tmp/run1 --max-steps 24 --every-n-steps 4
+    python examples/lightning_train.py --dirpath /tmp/run1 --max-steps 24 --kill-at-step 14   # crash
+    python examples/lightning_train.py --dirpath /tmp/run1 --max-steps 24                     # resumes at 12
+    python examples/lightning_train.py --dirpath /tmp/run2 --devices 2 --strategy ddp         # DDP (gloo)
+    python examples/lightning_train.py --dirpath /tmp/run3 --devices 2 --strategy fsdp2       # FSDP2 (CPU)
+
+``--kill-at-step N`` SIGKILLs every rank right after step N (after its
+checkpoint, if one is due, was handed to the background writer);
+``--sigterm-at-step N`` sends SIGTERM instead (a preemption: the next step is
+saved and the run exits with code 143). ``--out PREFIX`` writes
+``PREFIX.losses`` (``step loss`` per line, the loss as a float hex string, so
+runs compare exactly), ``PREFIX.json`` (where the run resumed from, its last
+step) and ``PREFIX.weights.pt`` (the final parameters, gathered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any, Optional
+
+import lightning.pytorch as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ckpt import DistributedCheckpoint
+
+
+class Synthetic(Dataset):
+    """Regression data; ``augment`` adds noise drawn from the global torch RNG as each sample is read."""
+
+    def __init__(self, n: int, dim: int = 16, augment: bool = True, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.01 * torch.randn_like(x)
+        return x, self.y[i]
+
+
+def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers as full tensors (collective for FSDP2 DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in module.state_dict().items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu().clone()
+    return out
+
+
+class Regressor(L.LightningModule):
+    """An MLP with dropout; AdamW with a step LR schedule; shards itself with FSDP2 under ModelParallelStrategy."""
+
+    def __init__(self, samples: int = 80, batch_size: int = 8, loader: str = "plain", lr: float = 1e-2,
+                 num_workers: int = 0, val_batches: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32), nn.ReLU(),
+                                 nn.Dropout(0.2), nn.Linear(32, 1))
+        self.hooks: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> Any:
+        data = Synthetic(self.hparams.samples)
+        kwargs = dict(batch_size=self.hparams.batch_size, shuffle=True, num_workers=self.hparams.num_workers)
+        if self.hparams.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(data, **kwargs)
+        return DataLoader(data, **kwargs)
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(Synthetic(max(self.hparams.val_batches, 1) * 8, augment=False, seed=99), batch_size=8)
+
+    # ---- instrumentation for the README and the tests
+    def on_train_start(self) -> None:
+        if self.hooks.get("weights_at_start"):
+            self._dump(self.hooks["weights_at_start"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step, h = self.trainer.global_step, self.hooks
+        if h.get("losses") and self.trainer.is_global_zero:
+            with open(h["losses"], "a") as f:
+                f.write(f"{step} {float(outputs['loss']).hex()}\n")
+        if h.get("weights_at_step") and step == h["weights_at_step"][0]:
+            self._dump(h["weights_at_step"][1])
+        if step == h.get("kill_at_step"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == h.get("sigterm_at_step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self) -> None:
+        if self.hooks.get("weights_at_end"):
+            self._dump(self.hooks["weights_at_end"])
+
+    def _dump(self, path: str) -> None:
+        weights = full_weights(self)
+        if self.trainer.is_global_zero:
+            torch.save(weights, path)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dirpath", required=True, help="checkpoint root (local path or fsspec URL)")
+    p.add_argument("--max-steps", type=int, default=24)
+    p.add_argument("--every-n-steps", type=int, default=4)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", choices=["auto", "ddp", "fsdp2"], default="auto")
+    p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--samples", type=int, default=80)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
+    p.add_argument("--async-mode", choices=["process", "thread", "off"], default=None)
+    p.add_argument("--save-on-exception", action="store_true")
+    p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...): one of our checkpoint directories")
+    p.add_argument("--csv-logs", default=None, help="log metrics (ckpt/* included) with a CSVLogger here")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every rank right after this step")
+    p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM every rank right after this step")
+    p.add_argument("--out", default=None, help="prefix of the loss/summary/weights files")
+    p.add_argument("--weights-at-start", action="store_true", help="write OUT.start.pt when training starts")
+    p.add_argument("--weights-at-step", type=int, default=None, help="write OUT.step<N>.pt after step N")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    L.seed_everything(args.seed, verbose=False)
+    model = Regressor(samples=args.samples, batch_size=args.batch_size, loader=args.loader,
+                      num_workers=args.num_workers, val_batches=2 if args.val_every else 0)
+    out = args.out
+    model.hooks = {
+        "losses": f"{out}.losses" if out else None,
+        "weights_at_start": f"{out}.start.pt" if out and args.weights_at_start else None,
+        "weights_at_step": (args.weights_at_step, f"{out}.step{args.weights_at_step}.pt")
+        if out and args.weights_at_step else None,
+        "weights_at_end": f"{out}.weights.pt" if out else None,
+        "kill_at_step": args.kill_at_step,
+        "sigterm_at_step": args.sigterm_at_step,
+    }
+    ckpt = DistributedCheckpoint(dirpath=args.dirpath, every_n_train_steps=args.every_n_steps,
+                                 keep_last=args.keep_last, async_mode=args.async_mode,
+                                 save_on_exception=args.save_on_exception)
+    strategy: Any = args.strategy
+    if args.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    logger: Any = False
+    if args.csv_logs:
+        from lightning.pytorch.loggers import CSVLogger
+
+        logger = CSVLogger(args.csv_logs, name="run")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        callbacks=[ckpt],
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2 if args.val_every else 0,
+        val_check_interval=args.val_every or None,
+        check_val_every_n_epoch=None if args.val_every else 1,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, ckpt_path=args.ckpt_path)
+    summary = {"resumed_from": ckpt.resumed_from, "global_step": trainer.global_step,
+               "epoch": trainer.current_epoch}
+    if out and trainer.is_global_zero:
+        with open(f"{out}.json", "w") as f:
+            json.dump(summary, f)
+    return summary
+
+
+if __name__ == "__main__":  # DCP's background writer process re-imports this module
+    main()

@@ -1,0 +1,453 @@
+"""``DistributedCheckpoint``: async sharded checkpoints, exact resume and recovery for a Lightning ``Trainer``.
+
+A thin adapter: Lightning's objects become a ``ckpt_core.TrainState``, its
+hooks become ``CheckpointManager`` calls, the manager's metrics go to the
+trainer's loggers. Where each piece happens:
+
+``setup`` (fit)
+    resolve ``dirpath``, build the ``CheckpointManager``, wrap the train data
+    source (``lightning_ckpt.data``) and intercept ``fit(ckpt_path=...)`` for
+    checkpoint directories of ours.
+``on_fit_start`` (optimizers and the wrapped model exist)
+    build the ``TrainState`` and restore: ``ckpt_path`` if it names one of our
+    checkpoints, else the newest valid checkpoint under ``dirpath``. Strategies
+    that restore after setup get the same restore when Lightning starts its own.
+``on_train_batch_end`` (on batches where the optimizer stepped)
+    record the loss, save when due (``maybe_save``: also the preemption check).
+``on_exception``
+    wait for the save in flight, and with ``save_on_exception`` save one more
+    checkpoint when every rank reached this point at a step boundary.
+``on_train_end`` / ``teardown``
+    flush (commit) the last save and release the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState, rng as rng_mod
+from ckpt_core.coordination import all_ranks_agree
+from ckpt_core.discovery import list_records
+from ckpt_core.storage import get_fs, parse_step_dirname
+
+from .data import ResumableTrainLoader, install_source
+from .state import LightningTrainerState
+
+log = logging.getLogger("lightning_ckpt")
+
+_ARG_FIELDS = ("dirpath", "every_n_steps", "every_seconds", "interval", "device_mtbf_hours", "keep_last",
+               "keep_every_n_steps", "keep_best", "async_mode", "verify", "resume", "resume_step",
+               "handle_preemption")
+
+
+class DistributedCheckpoint(Checkpoint):
+    """Asynchronous sharded checkpoints with exact mid-epoch resume and automatic recovery.
+
+    Every rank writes its own shards (``torch.distributed.checkpoint``) in the
+    background; training stalls only for the copy into host memory. A
+    checkpoint holds the model and optimizer state (sharded), LR schedulers,
+    the precision plugin (grad scaler), Lightning's loop progress, other
+    callbacks' and the datamodule's states, the training data position and
+    every rank's RNG states. ``trainer.fit`` resumes by itself from the newest
+    valid checkpoint under ``dirpath`` (skipping corrupt ones), also at
+    another world size (resharding).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[DistributedCheckpoint(dirpath="s3://bucket/run1",
+                                                             every_n_train_steps=500, keep_last=3)])
+        trainer.fit(model, datamodule)  # resumes when dirpath holds a valid checkpoint
+
+    Args:
+        dirpath: Checkpoint root: a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
+            Default: like ``ModelCheckpoint``, ``<logger save_dir>/<name>/<version>/checkpoints`` with a logger,
+            else ``<default_root_dir>/checkpoints``. A restarted job resumes only from the same ``dirpath``:
+            pass one explicitly when the logger's version changes between runs.
+        every_n_train_steps: Save every N optimizer steps (``global_step % N == 0``).
+        train_time_interval: Save when this much wall time passed since the last save (rank 0's clock).
+        save_on_exception: On an exception (also Lightning's ``SIGTERMException``), save one more checkpoint
+            when the state is at a step boundary and every rank reached the exception handler.
+        keep_last: Keep the newest K checkpoints (``None`` keeps all). The newest valid one is never deleted.
+        keep_every_n_steps: Also keep, permanently, the checkpoints at multiples of N steps.
+        keep_best: ``(metric, "min"|"max", n)``: also keep the n best checkpoints by a logged metric.
+        interval: ``"auto"``: the Young/Daly interval from the measured save stall and the failure rate
+            (needs ``device_mtbf_hours``; chosen automatically when that is given alone).
+        device_mtbf_hours: Mean time between failures of one device, in hours (for ``interval="auto"``).
+        async_mode: ``"process"`` (write in DCP's background process), ``"thread"`` or ``"off"`` (blocking).
+            Default: ``"process"`` when the run has more than one process, ``"thread"`` on one device (a
+            background process needs a process group, which would make a single-device run look
+            distributed to Lightning and other libraries).
+        verify: Check a checkpoint before loading it: ``"none"``, ``"size"`` or ``"checksum"``.
+        resume: Restore the newest valid checkpoint under ``dirpath`` when ``fit`` starts.
+        resume_step: Restore exactly this step instead (a rollback: newer checkpoints are moved aside).
+        handle_preemption: On SIGTERM/SIGUSR1, save at the next step boundary on every rank and exit with
+            code 143 (``ckpt_core.Preempted``), before Lightning's own SIGTERM handling stops the run.
+        exception_timeout_s: How long ranks wait for each other before an exception checkpoint.
+        settings: Further ``ckpt_core.CheckpointSettings`` (``writer_threads``, ``storage_options``,
+            ``on_save_error``, ``max_host_memory_bytes``...); the arguments above take precedence.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[Union[str, Path]] = None,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        save_on_exception: bool = False,
+        keep_last: Optional[int] = None,
+        keep_every_n_steps: Optional[int] = None,
+        keep_best: Optional[tuple[str, str, int]] = None,
+        interval: Optional[str] = None,
+        device_mtbf_hours: Optional[float] = None,
+        async_mode: Optional[str] = None,
+        verify: str = "size",
+        resume: bool = True,
+        resume_step: Optional[int] = None,
+        handle_preemption: bool = True,
+        exception_timeout_s: float = 30.0,
+        settings: Optional[CheckpointSettings] = None,
+    ) -> None:
+        super().__init__()
+        self.dirpath = None if dirpath is None else str(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.train_time_interval = train_time_interval
+        self.save_on_exception = save_on_exception
+        self.exception_timeout_s = float(exception_timeout_s)
+        if interval is None and device_mtbf_hours is not None:
+            interval = "auto"
+        self._args = dict(
+            every_n_steps=every_n_train_steps,
+            every_seconds=None if train_time_interval is None else train_time_interval.total_seconds(),
+            interval=interval,
+            device_mtbf_hours=device_mtbf_hours,
+            keep_last=keep_last,
+            keep_every_n_steps=keep_every_n_steps,
+            keep_best=None if keep_best is None else tuple(keep_best),
+            async_mode=async_mode,
+            verify=verify,
+            resume=resume,
+            resume_step=resume_step,
+            handle_preemption=handle_preemption,
+        )
+        self._base_settings = settings if settings is not None else CheckpointSettings()
+        self._settings(self.dirpath or "checkpoints", "thread")  # validate every value now
+        self.manager: Optional[CheckpointManager] = None
+        self.state: Optional[TrainState] = None
+        self.resumed_from: Optional[int] = None
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._source: Any = None
+        self._connector_patched: Any = None
+        self._requested: Optional[str] = None
+        self._lightning_ckpt: Optional[str] = None
+        self._restored = False
+        self._last_step = -1
+        self._start_step = 0
+        self._boundary: Optional[tuple[int, int]] = None
+        self._val_rng: Optional[dict] = None
+        self._metrics: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
+
+    def _settings(self, dirpath: str, default_async: str) -> CheckpointSettings:
+        args = {k: v for k, v in self._args.items() if not (k == "async_mode" and v is None)}
+        args.setdefault("async_mode", default_async)
+        return self._base_settings.replace(dirpath=dirpath, **args)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_run()
+        dirpath = self._resolve_dirpath(trainer)
+        self.settings = self._settings(dirpath, "process" if trainer.world_size > 1 else "thread")
+        if self.settings.async_mode == "process" and trainer.world_size == 1:
+            rank_zero_warn("DistributedCheckpoint(async_mode='process') on one device starts a 1-rank gloo process "
+                           "group, so torch.distributed reports itself initialized to Lightning and other libraries;"
+                           " async_mode='thread' avoids that")
+        self.manager = CheckpointManager(settings=self.settings)
+        if trainer.is_global_zero:
+            self.manager.add_metrics_callback(lambda stats: self._metrics.put(stats.as_metrics()))
+        if not any(self._args[k] for k in ("every_n_steps", "every_seconds", "interval")):
+            rank_zero_warn("DistributedCheckpoint has no save trigger (every_n_train_steps, train_time_interval, "
+                           "interval='auto'): it saves only on preemption or exception")
+        self._source = install_source(trainer)
+        self._patch_connector(trainer)
+
+    def _resolve_dirpath(self, trainer: "pl.Trainer") -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        logger_dir = None
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+            logger_dir = os.path.join(str(save_dir), str(logger.name))
+            path = os.path.join(logger_dir, version, "checkpoints")
+        else:
+            path = os.path.join(str(trainer.default_root_dir), "checkpoints")
+        path = trainer.strategy.broadcast(path)
+        if logger_dir is not None and trainer.is_global_zero:
+            _warn_if_earlier_versions(logger_dir, path)
+        return path
+
+    def _patch_connector(self, trainer: "pl.Trainer") -> None:
+        """Take ``fit(ckpt_path=...)`` when it names a checkpoint of ours (Lightning would ``torch.load`` it)."""
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
+            ours = bool(checkpoint_path) and trainer.strategy.broadcast(_is_ours(checkpoint_path))
+            if ours:
+                self._requested = str(checkpoint_path)
+                connector._ckpt_path = checkpoint_path
+            else:
+                self._lightning_ckpt = str(checkpoint_path) if checkpoint_path else None
+                original(checkpoint_path, weights_only=weights_only)
+            if trainer.strategy.restore_checkpoint_after_setup and self.state is not None:
+                self._restore(trainer)
+
+        connector.resume_start = resume_start
+        self._connector_patched = connector
+
+    # ---------------------------------------------------------------- restore
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.manager is None:
+            return
+        loader = self._source.prepare() if self._source is not None else None
+        self.state = TrainState(
+            model=pl_module,
+            optimizers=list(trainer.optimizers),
+            schedulers=[config.scheduler for config in trainer.lr_scheduler_configs],
+            dataloader=loader if isinstance(loader, ResumableTrainLoader) else None,
+            extra={"lightning": LightningTrainerState(trainer, owner=self)},
+        )
+        if not trainer.strategy.restore_checkpoint_after_setup:
+            self._restore(trainer)
+
+    def _restore(self, trainer: "pl.Trainer") -> None:
+        if self._restored:
+            return
+        self._restored = True
+        manager, state = self.manager, self.state
+        rec = None
+        if self._requested is not None:
+            rec = self._restore_path(self._requested)
+        elif self._lightning_ckpt is not None:
+            rank_zero_info(f"DistributedCheckpoint: fit(ckpt_path={self._lightning_ckpt!r}) is a Lightning "
+                           f"checkpoint; Lightning restores it and {manager.root} is not searched")
+        else:
+            rec = manager.resume(state)
+        self._start_step = self._last_step = trainer.global_step
+        if rec is None:
+            return
+        self.resumed_from = rec.step
+        loader = state.dataloader
+        if isinstance(loader, ResumableTrainLoader):
+            sampler = loader.sampler
+            if sampler is not None and sampler.consumed:
+                # Lightning keeps counting this epoch's batches from where it was.
+                sampler.base_batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            elif loader.mode == "none" and trainer.fit_loop.epoch_loop.batch_progress.current.processed:
+                rank_zero_warn("DistributedCheckpoint: the training data loader keeps no position (not a plain "
+                               "DataLoader over a sized dataset, nor a StatefulDataLoader): this epoch restarts "
+                               "from its first batch")
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None and fetcher.iterator is not None:
+            iter(fetcher)  # Lightning built its iterator early (estimated_stepping_batches): use the restored state
+        rank_zero_info(f"DistributedCheckpoint: resumed from step {rec.step} ({rec.path})")
+
+    def _restore_path(self, path: str) -> Any:
+        root, step = _split_ckpt_path(path)
+        manager, state = self.manager, self.state
+        if _same_root(root, manager.root):
+            return manager.restore(state, step=step)
+        other_settings = manager.settings.replace(dirpath=root, async_mode="off", handle_preemption=False,
+                                                  resume=True, resume_step=None)
+        with CheckpointManager(settings=other_settings) as other:
+            return other.restore(state, step=step, set_aside_newer=False)
+
+    # ------------------------------------------------------------------- save
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        manager, state = self.manager, self.state
+        if manager is None or state is None:
+            return
+        loader = self._current_loader()
+        if loader is not None:
+            loader.mark_trained()
+        if trainer.enable_validation:
+            self._val_rng = rng_mod.capture()  # validation must not move the training RNG (see on_validation_end)
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # no optimizer step on this batch (gradient accumulation)
+        self._last_step = step
+        self._boundary = (step, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        loss = _loss_of(outputs)
+        if loss is not None and manager.wants_loss(step):
+            manager.record_loss(step, loss)
+        state.dataloader = loader
+        manager.maybe_save(step, state, metrics=self._monitored(trainer))
+        self._flush_metrics(trainer)
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A resumed run skips the validation that ran right after its checkpoint (Lightning counts it as
+        # done), so validation must leave the training RNG where it was for the two runs to stay identical.
+        if self._val_rng is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            rng_mod.apply(self._val_rng)
+
+    def _current_loader(self) -> Optional[ResumableTrainLoader]:
+        current = getattr(self._source, "current", None)
+        return current if isinstance(current, ResumableTrainLoader) else None
+
+    def _monitored(self, trainer: "pl.Trainer") -> dict[str, float]:
+        keep_best = self.settings.keep_best
+        if not keep_best or keep_best[0] not in trainer.callback_metrics:
+            return {}
+        return {keep_best[0]: float(trainer.callback_metrics[keep_best[0]])}
+
+    def _flush_metrics(self, trainer: "pl.Trainer") -> None:
+        while True:
+            try:
+                metrics = self._metrics.get_nowait()
+            except queue.Empty:
+                return
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------ end, faults
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.manager is not None:
+            self.manager.wait()
+            self._flush_metrics(trainer)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            self._close(trainer)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        manager = self.manager
+        if manager is None:
+            return
+        try:
+            try:
+                manager.wait()
+            except Exception as e:  # noqa: BLE001 - do not hide the exception being handled
+                log.warning("lightning_ckpt: the checkpoint in flight failed: %s", e)
+            if self.save_on_exception and self.state is not None and not isinstance(exception, Preempted):
+                self._save_on_exception(trainer, exception)
+        finally:
+            self._close(trainer, raise_errors=False)
+
+    def _save_on_exception(self, trainer: "pl.Trainer", exception: BaseException) -> None:
+        step = trainer.global_step
+        consistent = self._at_step_boundary(trainer)
+        if not all_ranks_agree(f"lightning_exception/{step}", consistent, self.exception_timeout_s):
+            rank_zero_warn(f"DistributedCheckpoint: no checkpoint on {type(exception).__name__}: "
+                           + ("not every rank reached the exception handler at this step" if consistent
+                              else "the state is not at a step boundary"))
+            return
+        if trainer.validating and self._val_rng is not None:
+            rng_mod.apply(self._val_rng)  # interrupted validation: the training RNG as validation found it
+        try:
+            self.state.dataloader = self._current_loader()
+            if self.manager.save(step, self.state, metrics=self._monitored(trainer)):
+                self.manager.wait()
+                rank_zero_info(f"DistributedCheckpoint: saved step {step} on {type(exception).__name__}")
+        except Exception as e:  # noqa: BLE001 - do not hide the exception being handled
+            log.warning("lightning_ckpt: the checkpoint on exception failed: %s", e)
+
+    def _at_step_boundary(self, trainer: "pl.Trainer") -> bool:
+        if self._boundary is None or trainer.sanity_checking:
+            return False
+        step, processed = self._boundary
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return (trainer.global_step == step > self._start_step
+                and progress.ready == progress.started == progress.processed == processed)
+
+    def _close(self, trainer: "pl.Trainer", raise_errors: bool = True) -> None:
+        try:
+            if self.manager is not None:
+                try:
+                    self.manager.close()
+                except Exception as e:  # noqa: BLE001
+                    if raise_errors:
+                        raise
+                    log.warning("lightning_ckpt: closing the checkpoint manager failed: %s", e)
+        finally:
+            self._flush_metrics(trainer)
+            if self._source is not None:
+                self._source.restore_original()
+            if self._connector_patched is not None:
+                self._connector_patched.__dict__.pop("resume_start", None)
+            self._source = self._connector_patched = None
+            self.manager = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def _loss_of(outputs: Any) -> Any:
+    if outputs is None:
+        return None
+    if isinstance(outputs, dict):
+        outputs = outputs.get("loss")
+    if hasattr(outputs, "detach"):
+        return outputs.detach()
+    return outputs if isinstance(outputs, (int, float)) else None
+
+
+def _parent(url: str) -> str:
+    url = url.rstrip("/")
+    return url.rsplit("/", 1)[0] if "/" in url else "."
+
+
+def _split_ckpt_path(path: str) -> tuple[str, Optional[int]]:
+    """``(root, step)`` for a step directory, ``(root, None)`` for a checkpoint root."""
+    step = parse_step_dirname(str(path).rstrip("/"))
+    if step is not None:
+        return _parent(str(path)), step
+    return str(path).rstrip("/"), None
+
+
+def _is_ours(path: Any) -> bool:
+    """Whether ``path`` is one of our step directories or a root holding some."""
+    try:
+        path = os.fspath(path)
+        fs, p = get_fs(path)
+        if parse_step_dirname(str(path).rstrip("/")) is not None:
+            return fs.isdir(p)
+        return fs.isdir(p) and bool(list_records(path))
+    except Exception:  # noqa: BLE001 - not a path we can read: leave it to Lightning
+        return False
+
+
+def _same_root(a: str, b: str) -> bool:
+    (fa, pa), (fb, pb) = get_fs(a), get_fs(b)
+    return type(fa) is type(fb) and pa.rstrip("/") == pb.rstrip("/")
+
+
+def _warn_if_earlier_versions(logger_dir: str, path: str) -> None:
+    """Warn when the default dirpath (a new logger version) misses checkpoints of an earlier version."""
+    try:
+        if list_records(path):
+            return
+        fs, p = get_fs(logger_dir)
+        earlier = sorted(fs.glob(f"{p.rstrip('/')}/*/checkpoints/step_*"))
+    except Exception:  # noqa: BLE001 - a hint only
+        return
+    if earlier:
+        rank_zero_warn(f"DistributedCheckpoint: this run saves to {path} (the logger's new version), but "
+                       f"{_parent(earlier[-1])} holds checkpoints of an earlier run that this run does not resume "
+                       "from; pass DistributedCheckpoint(dirpath=...) to resume across restarts")

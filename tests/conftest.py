@@ -1,0 +1,53 @@
+"""Shared fixtures: run scripts as real processes (python or torchrun) with time limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: Path, args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
+               check: bool = True, expect_rc: int | None = None, torchrun: bool = False,
+               new_session: bool = False) -> subprocess.CompletedProcess:
+    """Run ``script`` as one process, or under torchrun with ``nproc`` ranks (gloo, loopback)."""
+    if nproc == 1 and not torchrun:
+        cmd = [sys.executable, str(script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO,
+                          start_new_session=new_session)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    elif check:
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def load_result(prefix: Path | str, rank: int = 0) -> tuple[dict, dict]:
+    with open(f"{prefix}.rank{rank}.json") as f:
+        meta = json.load(f)
+    return meta, torch.load(f"{prefix}.rank{rank}.pt", weights_only=True)
+
+
+@pytest.fixture
+def tmp_root(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,92 @@
+"""Worker: FSDP2 (fully_shard) training that saves at one world size and resumes at another.
+
+phase=save: train ``--save-step`` steps, save, dump the full state and the samples seen.
+phase=resume: restore (resharding), dump the full restored state, then finish the
+epoch and dump the samples seen after the resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+from ckpt_core import CheckpointManager, ResumableDistributedSampler, ResumableLoader, TrainState
+
+
+class Indexed(Dataset):
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(6, generator=g), i
+
+
+def full_copy(model: nn.Module, opt: torch.optim.Optimizer):
+    """Full (unsharded) model and optimizer state, cloned so later training cannot alias it."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return {k: clone(v) for k, v in msd.items()}, {
+        "state": {k: {n: clone(t) for n, t in v.items()} for k, v in osd.get("state", {}).items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--phase", choices=["save", "resume"], required=True)
+    p.add_argument("--save-step", type=int, default=5)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = Indexed()
+    loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=ResumableDistributedSampler(data, seed=3)))
+    state = TrainState(model=model, optimizers=opt, dataloader=loader)
+    manager = CheckpointManager(args.root, async_mode="off")
+    seen: list[int] = []
+    if args.phase == "resume":
+        info = manager.resume(state)
+        assert info is not None
+    step = state.step
+    full_at_restore = None
+    if args.phase == "resume":
+        full_at_restore = full_copy(model, opt)
+    for x, idx in loader:
+        step += 1
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.extend(idx.tolist())
+        if args.phase == "save" and step == args.save_step:
+            full = full_copy(model, opt)
+            manager.save(step, state)
+            manager.wait()
+            break
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, seen)
+    if rank == 0:
+        if args.phase == "save":
+            torch.save({"model": full[0], "optim": full[1]}, args.out + ".pt")
+        else:
+            torch.save({"model": full_at_restore[0], "optim": full_at_restore[1]}, args.out + ".pt")
+        with open(args.out + ".json", "w") as f:
+            json.dump({"seen": sorted(i for r in gathered for i in r), "world": world, "step": step}, f)
+    manager.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
