@@ -9,7 +9,8 @@ in DCP's background process:
   ``ConnectionError`` (a transient fault; the writer retries);
 * ``fail_after_bytes``: writing more than N bytes (per save) raises
   ``OSError(ENOSPC)`` (disk full; permanent, not retried);
-* ``delay_per_file_s``: sleep before every file opened for writing (a slow store).
+* ``delay_per_file_s``: sleep before every file opened for writing (a slow store);
+* ``delay_per_rm_s``: sleep before every file deletion (a slow delete).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.fail_first_writes = int(cfg.get("fail_first_writes", 0))
         self.fail_after_bytes = cfg.get("fail_after_bytes")
         self.delay_per_file_s = float(cfg.get("delay_per_file_s", 0.0))
+        self.delay_per_rm_s = float(cfg.get("delay_per_rm_s", 0.0))
         self.bytes_written = 0
         self.writes_failed = 0
 
@@ -97,13 +99,19 @@ class FaultyFileSystem(AbstractFileSystem):
         self.target.makedirs(self._strip_protocol(path), exist_ok=True)
 
     def rm_file(self, path: str) -> None:
+        if self.delay_per_rm_s:
+            time.sleep(self.delay_per_rm_s)
         self.target.rm_file(self._strip_protocol(path))
 
     def rm(self, path: str, recursive: bool = False, maxdepth: Any = None) -> None:
-        self.target.rm(self._strip_protocol(path), recursive=recursive)
+        path = self._strip_protocol(path)
+        if recursive and self.target.isdir(path):
+            for f in sorted(self.target.find(path)):
+                self.rm_file(f)
+        self.target.rm(path, recursive=recursive)
 
     def _rm(self, path: str) -> None:
-        self.target.rm_file(self._strip_protocol(path))
+        self.rm_file(path)
 
     def mv(self, path1: str, path2: str, recursive: bool = False, **kwargs: Any) -> None:
         self.target.mv(self._strip_protocol(path1), self._strip_protocol(path2), recursive=recursive)

@@ -187,6 +187,11 @@ class CheckpointManager:
             _ensure_process_group()
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._pg = dist.new_group(backend="gloo") if _dist_on() and dist.get_world_size() > 1 else None
+        # In thread mode DCP's writer runs collectives on self._pg in a background thread; the
+        # training thread's own agreements (preemption, "save done?", time sync) use another group,
+        # because two threads issuing collectives on one gloo group mismatch them and hang.
+        self._ctl_pg = (dist.new_group(backend="gloo") if self._pg is not None and s.async_mode == "thread"
+                        else self._pg)
         self._stager: Optional[DefaultStager] = None
         if s.async_mode != "off":
             self._stager = DefaultStager(
@@ -224,7 +229,7 @@ class CheckpointManager:
         """
         self._poll(block=False)
         if self._preempt is not None:
-            signum = self._preempt.agreed(self._pg)
+            signum = self._preempt.agreed(self._ctl_pg)
             if signum is not None:
                 log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
                 self.save(step, state, metrics=metrics)
@@ -234,7 +239,7 @@ class CheckpointManager:
         due = self.schedule.should_save(step, elapsed)
         if self.schedule.needs_time_sync and self._pg is not None:
             flag = torch.tensor([int(due)], dtype=torch.int32)
-            dist.broadcast(flag, src=0, group=self._pg)
+            dist.broadcast(flag, src=0, group=self._ctl_pg)
             due = bool(flag.item())
         if not due:
             return False
@@ -301,6 +306,11 @@ class CheckpointManager:
         self._n_saves += 1
         self._last_save_time = t1
         self.schedule.record_cost(stats.blocking_s)
+        if self.settings.interval == "auto" and self.rank == 0:
+            d = self.schedule.describe()
+            log.info("ckpt_core: auto interval %s s (save cost C=%s s, cluster MTBF M=%s s, expected time lost %s)",
+                     _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("mtbf_s")),
+                     _fmt(d.get("expected_overhead")))
         if self.settings.resume_check_steps and self.rank == 0:
             self._loss_window = (step, [])
         inflight = _InFlight(step=step, future=fut, stats=stats, t_dispatch=t0)
@@ -328,7 +338,7 @@ class CheckpointManager:
         if self._pg is None:
             return done
         flag = torch.tensor([int(done)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ctl_pg)
         return bool(flag.item())
 
     def _poll(self, block: bool) -> None:
@@ -627,6 +637,10 @@ class CheckpointManager:
             raise RestoreError(
                 f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "
                 + "; ".join(diffs[:5]))
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
 
 
 class _Unloadable(Exception):
