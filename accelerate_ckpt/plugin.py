@@ -101,8 +101,8 @@ class CheckpointPlugin:
     """Fault-tolerant, asynchronous, sharded checkpoints for an ``Accelerator``.
 
     Use it either as ``accelerate_ckpt.Accelerator(checkpoint_plugin=plugin)``
-    or, for code that builds its own ``Accelerator`` (HF ``Trainer``, TRL),
-    ``plugin.attach(accelerator)`` *before* ``accelerator.prepare(...)``.
+    or, for code that builds its own ``Accelerator``, ``plugin.attach(accelerator)``
+    *before* ``accelerator.prepare(...)``.
 
     Args:
         dirpath: checkpoint root (local path or fsspec URL).
@@ -179,6 +179,7 @@ class CheckpointPlugin:
             raise RuntimeError("this Accelerator already has another CheckpointPlugin attached")
         self.accelerator = accelerator
         accelerator.checkpoint_plugin = self
+        self._adopt_project_configuration(accelerator.project_configuration)
         for name in ("prepare_data_loader", "save_state", "load_state", "end_training"):
             self._orig[name] = getattr(accelerator, name)
         if self.rebuild_dataloaders:
@@ -189,6 +190,21 @@ class CheckpointPlugin:
         if accelerator.is_main_process and log_effective_settings is not None:
             log_effective_settings(self.settings, self.sources, logger=log)
         return self
+
+    def _adopt_project_configuration(self, pc: Any) -> None:
+        """With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no explicit settings,
+        checkpoints go where ``save_state()`` put them (``<project_dir>/checkpoints``) and ``total_limit``
+        becomes ``keep_last``."""
+        if not getattr(pc, "automatic_checkpoint_naming", False):
+            return
+        changes: dict[str, Any] = {}
+        if self.sources.get("dirpath", "default") == "default" and pc.project_dir:
+            changes["dirpath"] = os.path.join(pc.project_dir, "checkpoints")
+        if self.sources.get("keep_last", "default") == "default" and pc.total_limit is not None:
+            changes["keep_last"] = int(pc.total_limit)
+        if changes:
+            self.settings = self.settings.replace(**changes)
+            self.sources.update({k: "accelerator.project_configuration" for k in changes})
 
     def _check_attached(self) -> Any:
         if self.accelerator is None:
@@ -276,7 +292,7 @@ class CheckpointPlugin:
             return dl
         acc = self.accelerator
         reason = data_mod.why_not_rebuildable(dl, acc) if self.rebuild_dataloaders else "rebuild_dataloaders=False"
-        if reason is None and not (data_mod.is_stateful(dl) and not self.rebuild_dataloaders):
+        if reason is None:
             new = data_mod.rebuild(acc, dl)
             if dl in acc._dataloaders:
                 acc._dataloaders[acc._dataloaders.index(dl)] = new
@@ -317,6 +333,8 @@ class CheckpointPlugin:
             shuffled = [dl for dl in acc._dataloaders
                         if isinstance(get_sampler(dl), torch.utils.data.RandomSampler)
                         and data_mod.why_not_rebuildable(dl, acc) is None]
+            if not shuffled and len(acc._dataloaders) == 1:  # the only loader: the training loader
+                shuffled = [dl for dl in acc._dataloaders if data_mod.why_not_rebuildable(dl, acc) is None]
             rebuilt = shuffled if self.rebuild_dataloaders else []
         candidates = rebuilt or [dl for dl in acc._dataloaders if data_mod.is_stateful(dl)]
         if len(candidates) > 1:

@@ -349,6 +349,10 @@ def run_worker(module: str, spec: dict, timeout: float, log_path: Path) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise RuntimeError(f"worker timed out after {timeout:.0f}s; see {log_path}")
+            except BaseException:  # interrupted: take the worker's process group down with us
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             finally:
                 # Reap any straggler of this worker's process group (e.g. an orphaned writer process).
                 try:
@@ -449,3 +453,12 @@ def parse_size(text: str) -> int:
     elif t.endswith("g"):
         mult, t = GiB, t[:-1]
     return int(float(t) * mult)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in the harness, so ``finally`` blocks kill workers and remove temp dirs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

@@ -339,6 +339,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.worker:
         worker_main(args.worker)
         return 0
+    C.exit_on_sigterm()
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-recovery-")
     stamp = C.timestamp()

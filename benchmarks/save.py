@@ -16,9 +16,10 @@ parameters of a plain ``nn.Module``):
 * the machine's own limits, in the same run: a warm ``copy_`` of the same bytes
   into preallocated host buffers (staging limit) and an fsync'd sequential write
   of the same bytes (storage limit);
-* a toy training loop (matmuls on all cores, ``--loop-step-s`` per step) that
-  saves every ``--loop-every`` steps (about 10 s of training by default),
-  against the same loop without checkpoints.
+* the overhead on a toy training loop (matmuls on all cores, ``--loop-step-s``
+  per step) of a save every ``--loop-every`` steps (about 10 s of training by
+  default): periods with a save alternate with periods without one in the
+  same process, so the shared machine's drift hits both alike.
 
 Every variant runs in a fresh process per round (``--isolation variant``), so
 its first save (process spawn, plan, buffer allocation) and its peak host
@@ -56,7 +57,7 @@ CKPT_THREAD = "ckpt[thread]"
 CKPT_PROCESS = "ckpt[process]"
 CKPT_BUDGET = "ckpt[process,budget]"
 LOOP_PREFIX = "loop:"
-LOOP_KINDS = ("none", TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD)
+LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD)
 
 DESCRIPTIONS = {
     LIMIT_COPY: "warm copy_ of the same bytes into preallocated host buffers (staging limit)",
@@ -290,34 +291,42 @@ def make_work(ctx: Ctx):
 
 
 def run_loop_variant(ctx: Ctx, name: str) -> dict:
+    """Training overhead of saving every ``every`` steps, measured in pairs of periods in one process.
+
+    A *ckpt* period is: save (the stall), ``every`` steps, then wait until that
+    save is durable (a write longer than the period is overhead in steady state
+    too). A *base* period is the same ``every`` steps without a save. Periods
+    alternate (base/ckpt, then ckpt/base, ...), so the shared machine's drift
+    hits both alike; overhead = sum(ckpt periods) / sum(base periods) - 1.
+    """
     kind = name[len(LOOP_PREFIX):]
     lp = ctx.spec["loop"]
-    every, periods = lp["every"], lp["periods"]
-    ops = None if kind == "none" else Ops(ctx, kind, loop=True)
+    every, pairs = lp["every"], lp["pairs"]
+    ops = Ops(ctx, kind, loop=True)
     step = make_work(ctx)
+    base_s, ckpt_s, stalls, drains = [], [], [], []
     try:
-        if ops is not None:  # the first save (spawn, plan, buffers) happens before the timed loop
-            ops.wait(ops.start(0))
+        ops.wait(ops.start(0))  # the first save (spawn, plan, buffers) is not part of the steady state
         step()
-        C.barrier()
-        stalls = []
-        handle = None
-        t0 = time.perf_counter()
-        for s in range(every * periods):
-            if ops is not None and s % every == 0:
-                ts = time.perf_counter()
-                handle = ops.start(s + 1)
-                stalls.append(time.perf_counter() - ts)
-            step()
-        t_loop = time.perf_counter()
-        if ops is not None:
-            ops.wait(handle)  # a write longer than a period is overhead in steady state too
-        t_end = time.perf_counter()
+        n = 0
+        for p in range(pairs):
+            for what in (("base", "ckpt") if p % 2 == 0 else ("ckpt", "base")):
+                C.barrier()
+                t0 = time.perf_counter()
+                if what == "ckpt":
+                    n += 1
+                    handle = ops.start(n)
+                    stalls.append(time.perf_counter() - t0)
+                for _ in range(every):
+                    step()
+                if what == "ckpt":
+                    td = time.perf_counter()
+                    ops.wait(handle)
+                    drains.append(time.perf_counter() - td)
+                (ckpt_s if what == "ckpt" else base_s).append(time.perf_counter() - t0)
     finally:
-        if ops is not None:
-            ops.close()
-    return {"loop_s": t_end - t0, "drain_s": t_end - t_loop, "stalls": stalls, "steps": every * periods,
-            "saves": len(stalls), "extra": ops.extra if ops is not None else {}}
+        ops.close()
+    return {"base_s": base_s, "ckpt_s": ckpt_s, "stalls": stalls, "drains": drains, "extra": ops.extra}
 
 
 def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
@@ -335,8 +344,25 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
     base_mem, base_rss = sampler.current()
     model, local, local_bytes = C.build_model(spec["size_bytes"], spec["tensor_bytes"], rank, world)
     ctx = Ctx(rank, world, spec, model, local, local_bytes)
+    rounds = []
+    for order in spec["rounds"]:
+        rounds.append(_run_round(ctx, sampler, order, base_mem, base_rss))
+    sampler.stop()
+    C.stop_dcp_process()
+    proc = {"maxrss_self": C.maxrss_bytes(resource.RUSAGE_SELF),
+            "maxrss_children": C.maxrss_bytes(resource.RUSAGE_CHILDREN), "local_bytes": local_bytes}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "rounds": rounds, "proc": proc})
+    if rank == 0:
+        C.write_result(spec, gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_round(ctx: Ctx, sampler: Any, order: list, base_mem: int, base_rss: int) -> dict:
+    spec, rank = ctx.spec, ctx.rank
     out: dict = {}
-    for name in spec["variants"]:
+    for name in order:
         C.barrier()
         sampler.window()
         t0 = time.perf_counter()
@@ -352,16 +378,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
         if rank == 0:
             print(f"[worker] {name}: {res['wall_s']:.1f}s", flush=True)
         out[name] = res
-    sampler.stop()
-    C.stop_dcp_process()
-    proc = {"maxrss_self": C.maxrss_bytes(resource.RUSAGE_SELF),
-            "maxrss_children": C.maxrss_bytes(resource.RUSAGE_CHILDREN), "local_bytes": local_bytes}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "variants": out, "proc": proc})
-    if rank == 0:
-        C.write_result(spec, gathered)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def worker_main(spec_path: str) -> None:
@@ -392,9 +409,9 @@ def calibrate(threads: int, n: int, step_s: float) -> dict:
     return {"matmul_n": n, "matmul_s": per, "matmuls_per_step": max(1, round(step_s / per)), "threads": threads}
 
 
-def merge_ranks(gathered: list, name: str) -> dict:
+def merge_ranks(gathered: list, name: str, rnd: int = 0) -> dict:
     """One variant's result over ranks: per save the slowest rank; memory per rank."""
-    per_rank = [g["variants"][name] for g in gathered]
+    per_rank = [g["rounds"][rnd][name] for g in gathered]
     errors = [r["error"] for r in per_rank if "error" in r]
     mem = []
     for g, r in zip(gathered, per_rank):
@@ -413,9 +430,9 @@ def merge_ranks(gathered: list, name: str) -> dict:
         return None if any(v is None for v in vals) else max(vals)
 
     if name.startswith(LOOP_PREFIX):
-        out.update({k: max(r[k] for r in per_rank) for k in ("loop_s", "drain_s")})
-        out["stalls"] = [max(s) for s in zip(*[r["stalls"] for r in per_rank])]
-        out["saves"] = per_rank[0]["saves"]
+        for k in ("base_s", "ckpt_s", "stalls", "drains"):
+            out[k] = [max(v) for v in zip(*[r[k] for r in per_rank])]
+        out["overhead"] = sum(out["ckpt_s"]) / sum(out["base_s"]) - 1
         out["extra"] = per_rank[0]["extra"]
         return out
     out["first"] = {k: slowest(k, [r["first"] for r in per_rank]) for k in ("stall", "persist")}
@@ -429,7 +446,7 @@ def run_suite(args: argparse.Namespace, ranks: int, log_path: Path) -> dict:
     cpus = os.cpu_count() or 1
     threads = max(1, cpus // ranks)
     cal = calibrate(threads, args.matmul_n, args.loop_step_s)
-    loop = {**cal, "every": args.loop_every, "periods": args.loop_periods, "step_s_target": args.loop_step_s}
+    loop = {**cal, "every": args.loop_every, "pairs": args.loop_pairs, "step_s_target": args.loop_step_s}
     names = save_variants(args) + loop_variants(args)
     if args.variants:
         wanted = set(args.variants.split(","))
@@ -439,19 +456,20 @@ def run_suite(args: argparse.Namespace, ranks: int, log_path: Path) -> dict:
         "saves": args.saves, "writer_threads": args.writer_threads, "loop": loop,
         "mem_interval_s": args.mem_interval,
     }
-    timeout = 300 + 120 * args.size_bytes / C.GiB * (1 + args.saves) + 3 * args.loop_step_s * args.loop_every * args.loop_periods
+    timeout = 300 + 120 * args.size_bytes / C.GiB * (1 + args.saves) + 6 * args.loop_step_s * args.loop_every * args.loop_pairs
     samples: dict[str, list] = {n: [] for n in names}
     failures: list[str] = []
     job = 0
 
-    def run(variants: list[str], label: str) -> Optional[list]:
+    def run(rounds: list[list[str]], label: str) -> Optional[list]:
         nonlocal job
         job += 1
         d = os.path.join(args.dir, f"r{ranks}_job{job:03d}")
         os.makedirs(d, exist_ok=True)
+        n = sum(len(r) for r in rounds)
         try:
-            return C.run_worker("save", {**base_spec, "variants": variants, "dir": d, "label": label},
-                                timeout=timeout * max(1, len(variants) // 3), log_path=log_path)
+            return C.run_worker("save", {**base_spec, "rounds": rounds, "dir": d, "label": label},
+                                timeout=timeout * max(1, n // 3), log_path=log_path)
         except RuntimeError as e:
             failures.append(f"{label}: {e}")
             print(f"  ! {label} failed: {str(e).splitlines()[0]}", flush=True)
@@ -466,23 +484,30 @@ def run_suite(args: argparse.Namespace, ranks: int, log_path: Path) -> dict:
     if not args.quick:
         # Warm-up: one throwaway worker (file cache of the interpreter and torch, first-run costs of the
         # disk). Every worker also does one untimed-for-steady-state first save per variant.
-        run([LIMIT_COPY, LIMIT_WRITE], "warm-up")
-    for rnd in range(args.repeats):
-        k = rnd % len(names)
-        order = names[k:] + names[:k]
+        run([[LIMIT_COPY, LIMIT_WRITE]], "warm-up")
+    orders = [names[k % len(names):] + names[:k % len(names)] for k in range(args.repeats)]
+    if args.isolation == "run":  # one process for every round (--quick): fastest, least isolated
+        t0 = time.time()
+        g = run(orders, "all rounds")
+        if g is not None:
+            for rnd, order in enumerate(orders):
+                for name in order:
+                    samples[name].append(merge_ranks(g, name, rnd))
+        print(f"  {args.repeats} rounds done in {time.time() - t0:.0f}s", flush=True)
+    for rnd, order in enumerate(orders if args.isolation != "run" else []):
         t0 = time.time()
         if args.isolation == "variant":
             for name in order:
-                g = run([name], f"round {rnd} {name}")
+                g = run([[name]], f"round {rnd} {name}")
                 if g is not None:
                     samples[name].append(merge_ranks(g, name))
         else:
-            g = run(order, f"round {rnd}")
+            g = run([order], f"round {rnd}")
             if g is not None:
                 for name in order:
                     samples[name].append(merge_ranks(g, name))
         print(f"  round {rnd + 1}/{args.repeats} done in {time.time() - t0:.0f}s", flush=True)
-    return {"ranks": ranks, "threads_per_rank": threads, "calibration": cal, "loop": loop,
+    return {"ranks": ranks, "threads_per_rank": threads, "calibration": cal, "loop": loop, "isolation": args.isolation,
             "variants": names, "samples": samples, "failures": failures,
             "summary": summarize(samples, names, args, ranks)}
 
@@ -498,9 +523,11 @@ def summarize(samples: dict, names: list, args: argparse.Namespace, ranks: int) 
     for name in names:
         good = ok(name)
         if name.startswith(LOOP_PREFIX):
-            rows[name] = {"loop_s": C.median([s["loop_s"] for s in good]),
-                          "drain_s": C.median([s["drain_s"] for s in good]),
+            rows[name] = {"overhead": C.median([s["overhead"] for s in good]),
+                          "base_period_s": C.median([x for s in good for x in s["base_s"]]),
+                          "ckpt_period_s": C.median([x for s in good for x in s["ckpt_s"]]),
                           "loop_stall_s": C.median([x for s in good for x in s["stalls"]]),
+                          "drain_s": C.median([x for s in good for x in s["drains"]]),
                           "mem_net": C.median([s["mem_net"] for s in good]), "n": len(good)}
             continue
         rows[name] = {
@@ -515,10 +542,6 @@ def summarize(samples: dict, names: list, args: argparse.Namespace, ranks: int) 
     copy_s = rows.get(LIMIT_COPY, {}).get("stall_s")
     write_s = rows.get(LIMIT_WRITE, {}).get("persist_s")
     tsave_s = rows.get(TORCH_SAVE, {}).get("stall_s")
-    base_loop = rows.get(LOOP_PREFIX + "none", {}).get("loop_s")
-    for name, r in rows.items():
-        if name.startswith(LOOP_PREFIX):
-            r["overhead"] = None if base_loop is None or r["loop_s"] is None else r["loop_s"] / base_loop - 1
     for name, r in rows.items():
         if name.startswith(LOOP_PREFIX):
             continue
@@ -592,15 +615,20 @@ def print_table(suite: dict) -> None:
               f"{C.fmt(r['persist_s'], '.2f'):>9}{C.fmt(r['persist_GBps'], '.2f'):>7}"
               f"{C.fmt(r['persist_over_limit'], '.2f'):>8}{C.fmt(None if ovh is None else 100 * ovh, '+.1f'):>9}"
               f"{C.fmt(r['mem_net'], '.2f'):>10}{r['n']:>3}")
-    base = rows.get(LOOP_PREFIX + "none")
-    if base and base.get("loop_s"):
-        loops = ", ".join(f"{n[len(LOOP_PREFIX):]} {C.fmt(r['loop_s'], '.1f')}s (stall {C.fmt(r['loop_stall_s'], '.2f')}s, "
-                          f"drain {C.fmt(r['drain_s'], '.1f')}s)"
-                          for n, r in rows.items() if n.startswith(LOOP_PREFIX) and n != LOOP_PREFIX + "none")
-        print(f"toy loop without checkpoints {base['loop_s']:.1f}s; with: {loops}")
+    loops = [(n[len(LOOP_PREFIX):], r) for n, r in rows.items() if n.startswith(LOOP_PREFIX)]
+    if loops:
+        print(f"toy training loop, medians per period of {suite['loop']['every']} steps "
+              f"(base = no save; ckpt = save + steps + wait until durable):")
+        for n, r in loops:
+            print(f"  {n:<24} base {C.fmt(r['base_period_s'], '.2f')}s  ckpt {C.fmt(r['ckpt_period_s'], '.2f')}s  "
+                  f"stall {C.fmt(r['loop_stall_s'], '.3f')}s  drain {C.fmt(r['drain_s'], '.2f')}s  "
+                  f"overhead {C.fmt(None if r['overhead'] is None else 100 * r['overhead'], '+.1f')}%")
     print("\ntargets (issue 3; reported, not asserted):")
     for t in s["targets"]:
         print(f"  [{t['status']:>4}] {t['target']:<62} {t['variant']:<26} {t['text']}")
+    if suite.get("isolation", "variant") != "variant":
+        print(f"note: isolation={suite['isolation']}: variants share a process, so 'first' and 'mem/state' are "
+              "not per-variant figures (use the default --isolation variant for those)")
     if suite["failures"]:
         print(f"\n{len(suite['failures'])} worker failure(s):")
         for f in suite["failures"]:
@@ -616,12 +644,16 @@ def plot(payload: dict, path: Path) -> Optional[Path]:
     except ImportError:
         return None
     suites = payload["suites"]
-    metrics = [("stall_s", "steady-state stall (s, log)", True), ("persist_over_limit", "persist / storage limit", False),
-               ("mem_net", "peak host memory / state", False), ("loop_overhead", "training overhead (%)", False)]
+    metrics = [("stall_s", "steady-state stall (s, log)", True, None),
+               ("persist_over_limit", "persist throughput / storage limit (target >= 0.8)", False, 0.8),
+               ("mem_net", "peak host memory / state (target <= 2.2)", False, 2.2),
+               ("loop_overhead", "training overhead, save every ~10 s (%, target <= 5)", False, 5.0)]
     fig, axes = plt.subplots(len(metrics), 1, figsize=(12, 3.2 * len(metrics)))
     names = [n for n in suites[0]["summary"]["rows"] if not n.startswith(LOOP_PREFIX)]
     width = 0.8 / len(suites)
-    for ax, (key, title, log) in zip(axes, metrics):
+    for ax, (key, title, log, target) in zip(axes, metrics):
+        if target is not None:
+            ax.axhline(target, ls="--", lw=1, color="gray")
         for j, suite in enumerate(suites):
             rows = suite["summary"]["rows"]
             vals = [rows.get(n, {}).get(key) for n in names]
@@ -652,15 +684,17 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--writer-threads", type=int, default=1, help="writer_threads of the ckpt[...] variants (default 1, the setting's default)")
     p.add_argument("--sweep-writer-threads", type=int, nargs="*", default=None,
                    help="extra ckpt[process,wt=N] variants (default: 2 4; --quick: none)")
-    p.add_argument("--loop-step-s", type=float, default=None, help="toy training step length in seconds (default 0.5; --quick: 0.05)")
-    p.add_argument("--loop-every", type=int, default=None, help="steps between saves in the toy loop (default 20)")
-    p.add_argument("--loop-periods", type=int, default=None, help="save periods per toy loop (default 3; --quick: 2)")
+    p.add_argument("--loop-step-s", type=float, default=None, help="toy training step length in seconds (default 0.5; --quick: 0.02)")
+    p.add_argument("--loop-every", type=int, default=None, help="steps between saves in the toy loop (default 20; --quick: 5)")
+    p.add_argument("--loop-pairs", type=int, default=None,
+                   help="pairs of (no-save, save) periods per toy loop and round (default 2; --quick: 1)")
     p.add_argument("--matmul-n", type=int, default=512, help="matrix size of the toy training step")
     p.add_argument("--no-loop", action="store_true", help="skip the training-overhead loop")
     p.add_argument("--variants", default="", help="comma-separated subset of variants to run (names as in the table)")
-    p.add_argument("--isolation", choices=("variant", "round"), default=None,
-                   help="fresh process per variant and round (default; honest first-save and peak memory) or "
-                        "one process per round running every variant (--quick)")
+    p.add_argument("--isolation", choices=("variant", "round", "run"), default=None,
+                   help="a fresh process per variant and round (default: honest first-save and peak-memory "
+                        "figures), one per round, or one for the whole run (--quick; first-save and memory "
+                        "figures then mix variants)")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir under $TMPDIR)")
     p.add_argument("--mem-interval", type=float, default=0.02, help="host-memory sampling interval in seconds")
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -673,10 +707,10 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     a.repeats = a.repeats if a.repeats is not None else (3 if q else 5)
     a.saves = a.saves if a.saves is not None else 1
     a.sweep_writer_threads = a.sweep_writer_threads if a.sweep_writer_threads is not None else ([] if q else [2, 4])
-    a.loop_step_s = a.loop_step_s if a.loop_step_s is not None else (0.05 if q else 0.5)
-    a.loop_every = a.loop_every if a.loop_every is not None else (10 if q else 20)
-    a.loop_periods = a.loop_periods if a.loop_periods is not None else (2 if q else 3)
-    a.isolation = a.isolation or ("round" if q else "variant")
+    a.loop_step_s = a.loop_step_s if a.loop_step_s is not None else (0.02 if q else 0.5)
+    a.loop_every = a.loop_every if a.loop_every is not None else (5 if q else 20)
+    a.loop_pairs = a.loop_pairs if a.loop_pairs is not None else (1 if q else 2)
+    a.isolation = a.isolation or ("run" if q else "variant")
     return a
 
 
@@ -686,6 +720,8 @@ def main(argv: Optional[list] = None) -> int:
         worker_main(args.worker)
         return 0
     import tempfile
+
+    C.exit_on_sigterm()
 
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-save-")

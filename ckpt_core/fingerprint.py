@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Optional
 
+import numpy as np
 import torch
 
 Entry = tuple[float, float, int]
@@ -23,13 +24,40 @@ def is_fingerprinted(fqn: str) -> bool:
     return fqn.startswith(FINGERPRINT_PREFIXES)
 
 
+_CHUNK = 1 << 20
+"""Elements per float64 chunk: 8 MiB of scratch, whatever the tensor's size."""
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
 def tensor_entry(t: torch.Tensor) -> Entry:
     if t.numel() == 0:
         return (0.0, 0.0, 0)
     if t.is_complex():
         t = torch.view_as_real(t)
-    d = t.detach().to(torch.float64)
-    return (float(d.sum()), float(d.abs().sum()), int(t.numel()))
+    # Chunk by chunk, never a float64 (and abs) copy of the whole tensor: that cost 4x the tensor's size
+    # in transient memory and ~2 s per GiB, mostly page faults (see benchmarks/save.py).
+    flat = t.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
+        # numpy reduces on one thread: a background save does not fight training for every core
+        # (torch's intra-op threads stall on a busy machine).
+        a = flat.resolve_neg().numpy()
+        buf = np.empty(min(a.size, _CHUNK), dtype=a.dtype)
+        s = sa = 0.0
+        with np.errstate(all="ignore"):  # non-finite sums are data here (an unhealthy state), not errors
+            for i in range(0, a.size, _CHUNK):
+                c = a[i : i + _CHUNK]
+                s += float(np.add.reduce(c, dtype=np.float64))
+                sa += float(np.add.reduce(np.abs(c, out=buf[: c.size]), dtype=np.float64))
+        return (s, sa, int(t.numel()))
+    buf_t = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float64, device=flat.device)
+    acc = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for chunk in flat.split(_CHUNK):
+        b = buf_t[: chunk.numel()]
+        b.copy_(chunk)
+        acc[0] += b.sum()
+        acc[1] += b.abs_().sum()
+    s, sa = acc.tolist()
+    return (s, sa, int(t.numel()))
 
 
 def combine(parts: Iterable[Mapping[str, Entry]]) -> dict[str, Entry]:

@@ -44,10 +44,12 @@ LOSSES_NAME = "first_losses.json"
 
 log = logging.getLogger("ckpt_core")
 
-# DCP warns from the thread/process that runs an async save too, where the ``catch_warnings`` around
-# ``dcp.async_save`` below does not reach: a single-process save is intended here.
+# DCP also warns from the thread that runs an async save, where the ``catch_warnings`` around
+# ``dcp.async_save`` below does not reach: a single-process save is intended, and a step directory
+# being saved again is an uncommitted (torn) one.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         module="torch.distributed.checkpoint")
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint", module="torch.distributed.checkpoint")
 
 
 class SaveError(RuntimeError):
@@ -250,13 +252,15 @@ class CheckpointManager:
         self._check_open()
         state.step = step
         self._poll(block=False)
-        if self._inflight is not None and not self._agree_done():
+        # Every rank takes part in the agreement, also a rank whose own previous save already finished:
+        # a rank-local "in flight?" test in front of it would leave the other ranks in a lone collective.
+        if not self._agree_done():
+            prev = self._inflight.step if self._inflight is not None else "previous"
             if self.settings.on_in_flight == "skip":
-                log.warning("ckpt_core: skipping the save at step %d: the save at step %d is still writing",
-                            step, self._inflight.step)
+                log.warning("ckpt_core: skipping the save at step %d: the save at step %s is still writing",
+                            step, prev)
                 return False
-            log.info("ckpt_core: save at step %d waits for the save at step %d to finish writing",
-                     step, self._inflight.step)
+            log.info("ckpt_core: save at step %d waits for the save at step %s to finish writing", step, prev)
             self._poll(block=True)
         if step in self._committed:
             log.info("ckpt_core: step %d is already committed; not saving it again", step)

@@ -116,9 +116,11 @@ def main(argv: list[str]) -> None:
             optimizer.zero_grad()
             epoch = plugin.epoch
             plugin.step(loss=loss)  # counts the step, saves when due (async, sharded)
+            mean_loss = accelerator.reduce(loss.detach(), reduction="mean")  # across processes
             if out is not None:
                 out.write(json.dumps({"event": "step", "step": plugin.global_step, "epoch": epoch,
-                                      "loss": loss.item(), "indices": idx.tolist()}) + "\n")
+                                      "loss": loss.item(), "mean_loss": mean_loss.item(),
+                                      "indices": idx.tolist()}) + "\n")
                 out.flush()
             if args.kill_at_step is not None and plugin.global_step == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is flushed or closed
@@ -126,10 +128,13 @@ def main(argv: list[str]) -> None:
                 break
 
     plugin.close()  # waits for the last save to be committed
+    accelerator.wait_for_everyone()
     if out is not None:
         weights = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save(weights, os.path.join(args.out, f"final_rank{rank}.pt"))
-        out.write(json.dumps({"event": "end", "step": plugin.global_step}) + "\n")
+        out.write(json.dumps({"event": "end", "step": plugin.global_step,
+                              "distributed_type": accelerator.distributed_type.value,
+                              "process_group": torch.distributed.is_initialized()}) + "\n")
         out.close()
     accelerator.print(f"done at step {plugin.global_step}")
     accelerator.end_training()

@@ -2,9 +2,12 @@
 
 Runs as one process (``python examples/core_train.py``) or many
 (``torchrun --nproc-per-node 2 examples/core_train.py``, DDP over gloo).
-``--kill-at-step N`` SIGKILLs every rank right after step N (a crash);
-running again with the same ``--root`` resumes by itself. ``--out`` writes the
-per-step losses, the samples seen and the final state for comparisons.
+``--kill-at-step N`` SIGKILLs every rank (or only ``--kill-rank R``) right
+after step N (a crash), only in the first attempt of an elastic job; running
+again with the same ``--root`` resumes by itself. SIGTERM/SIGUSR1 to any rank
+saves at the next step boundary on every rank and exits with code 143.
+``--out`` writes the per-step losses, the samples seen and the final state;
+``--trace DIR`` appends one JSON line per step and rank (to audit elastic runs).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ckpt_core import CheckpointManager, ResumableDistributedSampler, ResumableLoader, TrainState
+from ckpt_core.elastic import init_process_group
 
 
 class IndexedData(Dataset):
@@ -63,17 +68,28 @@ def main() -> None:
     p.add_argument("--async-mode", default="thread", choices=["process", "thread", "off"])
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=None, help="only this rank dies (default: all)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
+    p.add_argument("--trace", default=None, help="directory for per-step JSON lines")
+    p.add_argument("--storage-options", default=None, help="JSON fsspec options for --root")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"))
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     model, opt, sched, loader = build(args)
     state = TrainState(model=model, optimizers=opt, schedulers=sched, dataloader=loader)
     manager = CheckpointManager(args.root, every_n_steps=args.every, async_mode=args.async_mode,
-                                keep_last=args.keep_last)
+                                keep_last=args.keep_last,
+                                storage_options=json.loads(args.storage_options or "{}"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trace = None
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        trace = open(os.path.join(args.trace, f"trace.attempt{attempt}.rank{rank}.world{world}.jsonl"), "a")
     info = manager.resume(state)
     resumed_from = info.step if info else None
     step = state.step
@@ -90,9 +106,16 @@ def main() -> None:
             losses[step] = loss.item()
             seen.append([loader.epoch, *idx.tolist()])
             manager.record_loss(step, loss.item())
+            if trace is not None:
+                trace.write(json.dumps({"step": step, "epoch": loader.epoch, "idx": idx.tolist(),
+                                        "loss": loss.item(), "resumed_from": resumed_from,
+                                        "pid": os.getpid()}) + "\n")
+                trace.flush()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             state.epoch = loader.epoch
             manager.maybe_save(step, state)
-            if step == args.kill_at_step:
+            if step == args.kill_at_step and attempt == 0 and args.kill_rank in (None, rank):
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= args.steps:
                 break

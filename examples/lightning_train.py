@@ -26,7 +26,8 @@ from typing import Any, Optional
 import lightning.pytorch as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_ckpt import DistributedCheckpoint
 
@@ -48,6 +49,45 @@ class Synthetic(Dataset):
         if self.augment:
             x = x + 0.01 * torch.randn_like(x)
         return x, self.y[i]
+
+
+class Stream(IterableDataset):
+    """``Synthetic`` as a stream with no length: a seeded order per epoch, sharded by rank, resumable.
+
+    Its own iterator, with ``state_dict``/``load_state_dict`` (epoch, position), which is how
+    torchdata's ``StatefulDataLoader`` keeps the place of an ``IterableDataset``.
+    """
+
+    def __init__(self, n: int, seed: int = 7) -> None:
+        self.data = Synthetic(n)
+        self.seed = seed
+        self.epoch, self.pos, self.done = 0, 0, False
+        self.order: list[int] = []
+
+    def _shard(self) -> None:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        perm = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        self.order = perm.tolist()[rank::world]
+
+    def __iter__(self) -> "Stream":
+        if self.done:
+            self.epoch, self.pos, self.done = self.epoch + 1, 0, False
+        self._shard()
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos >= len(self.order):
+            self.done = True
+            raise StopIteration
+        self.pos += 1
+        return self.data[self.order[self.pos - 1]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.pos, self.done = int(state["epoch"]), int(state["pos"]), bool(state["done"])
+        self._shard()
 
 
 def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,11 +143,15 @@ class Regressor(L.LightningModule):
     def train_dataloader(self) -> Any:
         data = Synthetic(self.hparams.samples)
         kwargs = dict(batch_size=self.hparams.batch_size, shuffle=True, num_workers=self.hparams.num_workers)
-        if self.hparams.loader == "stateful":
-            from torchdata.stateful_dataloader import StatefulDataLoader
+        if self.hparams.loader == "plain":
+            return DataLoader(data, **kwargs)
+        from torchdata.stateful_dataloader import StatefulDataLoader
 
+        if self.hparams.loader == "stateful":
             return StatefulDataLoader(data, **kwargs)
-        return DataLoader(data, **kwargs)
+        # "stream": an IterableDataset (no length: Lightning fetches a batch ahead), position kept by the loader
+        return StatefulDataLoader(Stream(self.hparams.samples), batch_size=self.hparams.batch_size,
+                                  num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> Any:
         return DataLoader(Synthetic(max(self.hparams.val_batches, 1) * 8, augment=False, seed=99), batch_size=8)
@@ -147,7 +191,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", choices=["auto", "ddp", "fsdp2"], default="auto")
-    p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    p.add_argument("--loader", choices=["plain", "stateful", "stream"], default="plain",
+                   help="DataLoader(shuffle=True), StatefulDataLoader(shuffle=True), or a StatefulDataLoader "
+                        "over an IterableDataset without length")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--samples", type=int, default=80)

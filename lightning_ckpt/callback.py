@@ -26,15 +26,19 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
+import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState, rng as rng_mod
+from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState
 from ckpt_core.coordination import all_ranks_agree
 from ckpt_core.discovery import list_records
 from ckpt_core.storage import get_fs, parse_step_dirname
@@ -142,9 +146,12 @@ class DistributedCheckpoint(Checkpoint):
         self.manager: Optional[CheckpointManager] = None
         self.state: Optional[TrainState] = None
         self.resumed_from: Optional[int] = None
+        """The step this ``fit`` restored, or None when it started fresh."""
         self._reset_run()
 
     def _reset_run(self) -> None:
+        self.state = None
+        self.resumed_from = None
         self._source: Any = None
         self._connector_patched: Any = None
         self._requested: Optional[str] = None
@@ -154,6 +161,7 @@ class DistributedCheckpoint(Checkpoint):
         self._start_step = 0
         self._boundary: Optional[tuple[int, int]] = None
         self._val_rng: Optional[dict] = None
+        self._validating_in_fit = False
         self._metrics: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
 
     def _settings(self, dirpath: str, default_async: str) -> CheckpointSettings:
@@ -236,6 +244,9 @@ class DistributedCheckpoint(Checkpoint):
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._restore(trainer)
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._validating_in_fit = trainer.enable_validation
+
     def _restore(self, trainer: "pl.Trainer") -> None:
         if self._restored:
             return
@@ -287,8 +298,8 @@ class DistributedCheckpoint(Checkpoint):
         loader = self._current_loader()
         if loader is not None:
             loader.mark_trained()
-        if trainer.enable_validation:
-            self._val_rng = rng_mod.capture()  # validation must not move the training RNG (see on_validation_end)
+        if self._validating_in_fit:
+            self._val_rng = _rng_snapshot()  # validation must not move the training RNG (on_validation_end)
         step = trainer.global_step
         if step == self._last_step:
             return  # no optimizer step on this batch (gradient accumulation)
@@ -305,7 +316,7 @@ class DistributedCheckpoint(Checkpoint):
         # A resumed run skips the validation that ran right after its checkpoint (Lightning counts it as
         # done), so validation must leave the training RNG where it was for the two runs to stay identical.
         if self._val_rng is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            rng_mod.apply(self._val_rng)
+            _rng_restore(self._val_rng)
 
     def _current_loader(self) -> Optional[ResumableTrainLoader]:
         current = getattr(self._source, "current", None)
@@ -340,15 +351,22 @@ class DistributedCheckpoint(Checkpoint):
         manager = self.manager
         if manager is None:
             return
+        # Lightning turns SIGTERM into SIGTERMException at the end of the batch in which it arrived; when the
+        # signal came after this batch's save check, that is where the preemption checkpoint is taken.
+        preempted = isinstance(exception, SIGTERMException) and self.settings.handle_preemption
         try:
             try:
                 manager.wait()
             except Exception as e:  # noqa: BLE001 - do not hide the exception being handled
                 log.warning("lightning_ckpt: the checkpoint in flight failed: %s", e)
-            if self.save_on_exception and self.state is not None and not isinstance(exception, Preempted):
+            if self.state is not None and not isinstance(exception, Preempted) and (
+                self.save_on_exception or preempted
+            ):
                 self._save_on_exception(trainer, exception)
         finally:
             self._close(trainer, raise_errors=False)
+            if preempted:
+                exception.code = self.settings.preemption_exit_code  # as ckpt_core.Preempted exits
 
     def _save_on_exception(self, trainer: "pl.Trainer", exception: BaseException) -> None:
         step = trainer.global_step
@@ -359,7 +377,7 @@ class DistributedCheckpoint(Checkpoint):
                               else "the state is not at a step boundary"))
             return
         if trainer.validating and self._val_rng is not None:
-            rng_mod.apply(self._val_rng)  # interrupted validation: the training RNG as validation found it
+            _rng_restore(self._val_rng)  # interrupted validation: the training RNG as validation found it
         try:
             self.state.dataloader = self._current_loader()
             if self.manager.save(step, self.state, metrics=self._monitored(trainer)):
@@ -386,6 +404,7 @@ class DistributedCheckpoint(Checkpoint):
                         raise
                     log.warning("lightning_ckpt: closing the checkpoint manager failed: %s", e)
         finally:
+            _forget_core_signal_handlers(trainer)
             self._flush_metrics(trainer)
             if self._source is not None:
                 self._source.restore_original()
@@ -396,6 +415,46 @@ class DistributedCheckpoint(Checkpoint):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def _forget_core_signal_handlers(trainer: "pl.Trainer") -> None:
+    """Keep Lightning from re-installing a closed manager's signal handlers.
+
+    Lightning's signal connector remembers the handlers it found when training started (the core's,
+    installed at ``setup``) and puts them back in its teardown, which on an exception runs after
+    ``on_exception`` closed the manager. Point it at what the manager restored instead.
+    """
+    from ckpt_core.preemption import PreemptionWatcher
+
+    saved = getattr(trainer._signal_connector, "_original_handlers", {})
+    for signum, handler in list(saved.items()):
+        if isinstance(getattr(handler, "__self__", None), PreemptionWatcher):
+            saved[signum] = signal.getsignal(signum)
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    """This process's generators, cheaply (no conversion): python, numpy, torch CPU and CUDA."""
+    snap: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        snap["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        snap["cuda"] = torch.cuda.get_rng_state_all()
+    return snap
+
+
+def _rng_restore(snap: dict[str, Any]) -> None:
+    random.setstate(snap["python"])
+    torch.set_rng_state(snap["torch"])
+    if "numpy" in snap:
+        import numpy as np
+
+        np.random.set_state(snap["numpy"])
+    if "cuda" in snap:
+        torch.cuda.set_rng_state_all(snap["cuda"])
 
 
 def _loss_of(outputs: Any) -> Any:

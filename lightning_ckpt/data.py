@@ -5,19 +5,22 @@ Lightning asks its train data source for a loader, processes it (injects a
 data fetcher. Here the source is wrapped so that the loader Lightning gets is
 a ``ResumableTrainLoader`` (a ``ckpt_core.ResumableLoader``):
 
-* a plain ``DataLoader`` over a map-style dataset gets a
-  ``LightningResumableSampler`` (``ckpt_core.ResumableDistributedSampler``:
-  the order of ``DistributedSampler``, a global position that survives a
-  world-size change) in place of its sampler;
-* a loader with its own ``state_dict`` (torchdata ``StatefulDataLoader``) keeps
-  its own position; a ``DistributedSampler`` is injected as Lightning would;
+* a ``DataLoader`` (or torchdata ``StatefulDataLoader``) over a sized
+  map-style dataset with a stock sampler gets a ``LightningResumableSampler``
+  (``ckpt_core.ResumableDistributedSampler``: the order of
+  ``DistributedSampler``, a global position that survives a world-size
+  change) in place of its sampler;
+* any other loader with its own ``state_dict`` (a ``StatefulDataLoader`` over
+  an ``IterableDataset``, a custom sampler) keeps its own position, per rank;
+  Lightning's ``DistributedSampler`` injection applies as usual;
 * anything else passes through (its position is not restored; a warning says so).
 
 The wrapper's iterator is lazy: the inner iterator is created on the first
 ``next``, and a restored RNG state is applied right after that (creating a
-DataLoader iterator draws from the global RNG). The position saved is derived
-from Lightning's batch progress, not from what the loader has yielded, so
-Lightning's one-batch prefetch (loaders without ``len``) does not shift it.
+DataLoader iterator draws from the global RNG). The position saved counts the
+batches that went through training (``mark_trained`` at every
+``on_train_batch_end``), not what the loader has produced: Lightning fetches
+one batch ahead for loaders without a length (see ``ResumableTrainLoader``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from lightning.pytorch.trainer.connectors.data_connector import (
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 
+from ckpt_core import rng as rng_mod
 from ckpt_core.sampler import ResumableDistributedSampler, ResumableLoader, find_resumable_sampler
 
 log = logging.getLogger("lightning_ckpt")
@@ -93,8 +97,16 @@ class ResumableTrainLoader(ResumableLoader):
     """What Lightning iterates: the user's loader, its position and the deferred RNG restore.
 
     ``mode`` is ``global`` (a ``LightningResumableSampler`` inside), ``stateful``
-    (the loader's own ``state_dict``) or ``none`` (position not kept).
+    (the loader's own ``state_dict``, kept per rank) or ``none`` (no position).
     Attributes not defined here (``dataset``, ``batch_size``...) are the inner loader's.
+
+    Lightning fetches one batch ahead of training when the loader has no
+    length. A checkpoint taken after ``n`` trained batches then has to hold
+    the loader as it was after ``n`` batches (not ``n + 1``) and the RNG state
+    from just before batch ``n + 1`` was fetched (fetching may draw from it:
+    augmentation in ``__getitem__``). Both are kept for the last few batches;
+    a resumed iteration fetches its first batch under that RNG state and then
+    applies the checkpoint's RNG state, as the original run had it.
     """
 
     def __init__(self, loader: Any, mode: str) -> None:  # noqa: D107 - no ResumableLoader validation on purpose
@@ -103,9 +115,12 @@ class ResumableTrainLoader(ResumableLoader):
         self.sampler = find_resumable_sampler(loader) if mode == GLOBAL else None
         self.batch_size = int(getattr(loader, "batch_size", None) or 0)
         self._pending: Optional[Callable[[], None]] = None
-        self._snapshots: dict[int, Any] = {}
+        self._prefetch_rng: Optional[dict] = None
+        self._ahead = mode == STATEFUL and _sized_len(loader) is None
+        self._after: dict[int, Any] = {}  # batches yielded -> loader state after them
+        self._rng_before: dict[int, Any] = {}  # batch number -> RNG state before it was fetched
         self._yielded = self._trained = 0
-        self._unsized = _sized_len(loader) is None
+        self._exhausted = False
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("loader", "mode"):
@@ -117,19 +132,37 @@ class ResumableTrainLoader(ResumableLoader):
 
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.loader)
-        if self._pending is not None:
-            fn, self._pending = self._pending, None
-            fn()
+        restore, self._pending = self._pending, None
+        prefetch_rng, self._prefetch_rng = self._prefetch_rng, None
         self._yielded = self._trained = 0
-        self._snapshots = {}
-        snapshot = self.mode == STATEFUL and self._unsized
-        for batch in it:
+        self._after, self._rng_before, self._exhausted = {}, {}, False
+        if restore is not None and not self._ahead:
+            restore()  # creating the iterator drew from the RNG; training continues from the saved state
+            restore = None
+        while True:
+            if self._ahead:
+                if restore is not None and self._yielded:
+                    # Lightning fetched the first batch ahead (under the RNG state the original run had
+                    # then); now training goes on: from here on the RNG is the checkpoint's.
+                    restore()
+                    restore = None
+                if prefetch_rng is not None:
+                    rng_mod.apply(prefetch_rng)
+                    self._rng_before[1], prefetch_rng = prefetch_rng, None
+                else:
+                    self._rng_before[self._yielded + 1] = rng_mod.capture()
+                self._rng_before.pop(self._yielded - 2, None)
+            try:
+                batch = next(it)
+            except StopIteration:
+                self._exhausted = True
+                if restore is not None:
+                    restore()
+                return
             self._yielded += 1
-            if snapshot:
-                # Lightning fetches one batch ahead of training for loaders without a length,
-                # so the live state runs ahead of training: keep the state after each batch.
-                self._snapshots[self._yielded] = self.loader.state_dict()
-                self._snapshots.pop(self._yielded - 3, None)
+            if self._ahead:
+                self._after[self._yielded] = self.loader.state_dict()
+                self._after.pop(self._yielded - 3, None)
             yield batch
 
     def mark_trained(self) -> None:
@@ -143,15 +176,17 @@ class ResumableTrainLoader(ResumableLoader):
             return self.sampler.state_dict()
         if self.mode == NONE:
             return {}
-        if self._unsized and self._trained in self._snapshots:
-            return self._snapshots[self._trained]
-        return self.loader.state_dict()
+        n = self._trained
+        if self._ahead and not (self._exhausted and n == self._yielded) and n in self._after:
+            return {"loader": self._after[n], "rng_before_next": self._rng_before.get(n + 1)}
+        return {"loader": self.loader.state_dict(), "rng_before_next": None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sampler is not None:
             self.sampler.load_state_dict(state)
         elif self.mode == STATEFUL and state:
-            self.loader.load_state_dict(state)
+            self.loader.load_state_dict(state["loader"])
+            self._prefetch_rng = state.get("rng_before_next")
 
 
 def _sized_len(obj: Any) -> Optional[int]:
@@ -165,14 +200,25 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _stock_samplers() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(random samplers, batch samplers) that only shuffle/batch: torch's and torchdata's."""
+    try:
+        from torchdata.stateful_dataloader.sampler import BatchSampler as TDBatchSampler
+        from torchdata.stateful_dataloader.sampler import RandomSampler as TDRandomSampler
+    except ImportError:  # torchdata is optional
+        return (RandomSampler,), (BatchSampler,)
+    return (RandomSampler, TDRandomSampler), (BatchSampler, TDBatchSampler)
+
+
 def _plain_sampler(dl: DataLoader) -> bool:
     """Whether ``dl`` samples a sized map-style dataset with a stock sampler and batch sampler."""
     if isinstance(dl.dataset, IterableDataset) or _sized_len(dl.dataset) is None or dl.batch_size is None:
         return False
-    if type(dl.batch_sampler) is not BatchSampler:
+    randoms, batchers = _stock_samplers()
+    if type(dl.batch_sampler) not in batchers:
         return False
     sampler = dl.sampler
-    if type(sampler) is RandomSampler:
+    if type(sampler) in randoms:
         return not sampler.replacement and sampler._num_samples is None
     return type(sampler) in (SequentialSampler, DistributedSampler)
 
@@ -183,7 +229,7 @@ def wrap_train_loader(trainer: Any, raw: Any) -> Any:
         return raw
     stage = RunningStage.TRAINING
     connector = trainer._accelerator_connector
-    if isinstance(raw, DataLoader) and not _stateful(raw) and _plain_sampler(raw) and (
+    if isinstance(raw, DataLoader) and _plain_sampler(raw) and (
         connector.use_distributed_sampler or not connector.is_distributed
     ):
         old = raw.sampler
@@ -194,7 +240,7 @@ def wrap_train_loader(trainer: Any, raw: Any) -> Any:
             dist_kw = trainer.distributed_sampler_kwargs if connector.is_distributed else None
             dist_kw = dist_kw or {"num_replicas": 1, "rank": 0}
             # Lightning shuffles training data it shards; on one device it keeps the user's choice.
-            shuffle = connector.is_distributed or isinstance(old, RandomSampler)
+            shuffle = connector.is_distributed or isinstance(old, _stock_samplers()[0])
             kw = dict(num_replicas=int(dist_kw["num_replicas"]), rank=int(dist_kw["rank"]),
                       shuffle=bool(shuffle and not trainer.overfit_batches),
                       seed=int(os.getenv("PL_GLOBAL_SEED", 0)), drop_last=False)

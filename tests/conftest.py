@@ -25,13 +25,13 @@ def free_port() -> int:
 
 def run_script(script: Path, args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
                check: bool = True, expect_rc: int | None = None, torchrun: bool = False,
-               new_session: bool = False) -> subprocess.CompletedProcess:
+               new_session: bool = False, torchrun_args: tuple = ()) -> subprocess.CompletedProcess:
     """Run ``script`` as one process, or under torchrun with ``nproc`` ranks (gloo, loopback)."""
     if nproc == 1 and not torchrun:
         cmd = [sys.executable, str(script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_args, str(script), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO,
                           start_new_session=new_session)
@@ -51,3 +51,12 @@ def load_result(prefix: Path | str, rank: int = 0) -> tuple[dict, dict]:
 @pytest.fixture
 def tmp_root(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def read_traces(trace_dir: Path) -> dict[tuple[int, int, int], list[dict]]:
+    """Per (attempt, rank, world) the JSON lines ``examples/core_train.py --trace`` wrote."""
+    out = {}
+    for f in sorted(Path(trace_dir).glob("trace.attempt*.rank*.world*.jsonl")):
+        a, r, w = (int(x) for x in f.stem.replace("trace.attempt", "").replace("rank", "").replace("world", "").split("."))
+        out[(a, r, w)] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out

@@ -1,0 +1,231 @@
+"""``lightning_ckpt.DistributedCheckpoint`` in-process: CLI, fallback, exceptions, defaults, the sampler.
+
+The multi-process scenarios (SIGKILL, DDP, FSDP2, SIGTERM) are in
+``test_lightning_resume.py``; these run ``examples/lightning_train.py``'s
+``main`` or a ``Trainer`` in the test process on one CPU device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as L  # noqa: E402
+from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
+
+from ckpt_core import list_records  # noqa: E402
+from lightning_ckpt import DistributedCheckpoint, LightningResumableSampler  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import lightning_train  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    torch.set_num_threads(threads)  # the example pins one thread
+    os.environ.clear()
+    os.environ.update(env)  # seed_everything sets PL_GLOBAL_SEED
+    # the core's preemption handlers and Lightning's are gone after fit, also after an exception
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+
+
+def losses(prefix: Path) -> dict[int, str]:
+    with open(f"{prefix}.losses") as f:
+        return {int(s): v for s, v in (line.split() for line in f)}
+
+
+def committed(root: Path) -> list[int]:
+    return [r.step for r in list_records(str(root)) if r.committed]
+
+
+def trainer(root: Path, **kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, default_root_dir=str(root))
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_cli_flags_reach_the_callback():
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(lightning_train.Regressor, run=False, save_config_kwargs={"overwrite": True}, args=[
+        "--trainer.logger=false",
+        "--trainer.callbacks+=lightning_ckpt.DistributedCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=100",
+        "--trainer.callbacks.dirpath=memory://cli-run",
+        "--trainer.callbacks.keep_last=3",
+        "--trainer.callbacks.train_time_interval=0:30:00",
+        "--trainer.callbacks.keep_best=[val_loss, min, 2]",
+        "--trainer.callbacks.settings.writer_threads=2",
+    ])
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DistributedCheckpoint)]
+    assert cb.every_n_train_steps == 100 and cb.dirpath == "memory://cli-run"
+    settings = cb._settings(cb.dirpath, "thread")
+    assert settings.every_n_steps == 100 and settings.keep_last == 3 and settings.every_seconds == 1800.0
+    assert settings.keep_best == ("val_loss", "min", 2) and settings.writer_threads == 2
+
+
+def test_bad_arguments_fail_at_construction():
+    with pytest.raises(ValueError, match="keep_last"):
+        DistributedCheckpoint(keep_last=0)
+    with pytest.raises(ValueError, match="async_mode"):
+        DistributedCheckpoint(async_mode="fork")
+
+
+def test_fresh_start_is_quiet_and_a_corrupt_newest_checkpoint_falls_back(tmp_path):
+    root = tmp_path / "ck"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = lightning_train.main(["--dirpath", str(root), "--max-steps", "8", "--out", str(tmp_path / "a")])
+    ours = [w for w in caught if "checkpoint" in str(w.message).lower()
+            or any(p in w.filename for p in ("ckpt_core", "lightning_ckpt"))]
+    assert not ours, [str(w.message) for w in ours]
+    assert first["resumed_from"] is None and committed(root) == [4, 8]
+
+    shard = next((root / "step_000000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn shard in the newest
+    with pytest.warns(UserWarning, match=r"step 8\).*falling back"):
+        second = lightning_train.main(["--dirpath", str(root), "--max-steps", "10", "--out", str(tmp_path / "b")])
+    assert second["resumed_from"] == 4 and second["global_step"] == 10
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == list(range(5, 11))
+    assert all(b[s] == a[s] for s in range(5, 9))  # steps 5..8 again, bit-exact
+
+
+class _Failing(lightning_train.Regressor):
+    def __init__(self, where: str, at: int) -> None:
+        super().__init__()
+        self.where, self.at = where, at
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "training_step" and self.trainer.global_step == self.at - 1:
+            raise RuntimeError("boom in training_step")
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.where == "batch_end" and self.trainer.global_step == self.at:
+            raise RuntimeError("boom after the step")
+
+
+@pytest.mark.parametrize("where,expected", [("batch_end", [4, 6]), ("training_step", [4])])
+def test_save_on_exception_only_at_a_step_boundary(tmp_path, where, expected):
+    cb = DistributedCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_on_exception=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(tmp_path, callbacks=[cb]).fit(_Failing(where, 6))
+    assert committed(tmp_path / "ck") == expected
+    assert cb.manager is None  # closed: flushed, handlers restored
+    if where == "batch_end":  # the exception checkpoint resumes like any other
+        cb2 = DistributedCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4)
+        t = trainer(tmp_path, callbacks=[cb2], max_steps=7)
+        t.fit(lightning_train.Regressor())
+        assert cb2.resumed_from == 6 and t.global_step == 7
+
+
+def test_default_dirpath_follows_model_checkpoint(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = DistributedCheckpoint(every_n_train_steps=2)
+    trainer(tmp_path, callbacks=[cb], max_steps=2).fit(lightning_train.Regressor())
+    assert committed(tmp_path / "checkpoints") == [2]
+
+    cb = DistributedCheckpoint(every_n_train_steps=2)
+    t = trainer(tmp_path, callbacks=[cb], max_steps=2, logger=CSVLogger(str(tmp_path), name="logs"))
+    t.fit(lightning_train.Regressor())
+    assert committed(tmp_path / "logs" / "version_0" / "checkpoints") == [2]
+    metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
+    assert "ckpt/blocking_s" in metrics and "ckpt/write_s" in metrics
+
+    # A new logger version does not resume from the previous one's checkpoints: say so.
+    cb = DistributedCheckpoint(every_n_train_steps=2)
+    t = trainer(tmp_path, callbacks=[cb], max_steps=2, logger=CSVLogger(str(tmp_path), name="logs"))
+    with pytest.warns(UserWarning, match="earlier run"):
+        t.fit(lightning_train.Regressor())
+
+
+def test_lightning_sampler_keeps_lightnings_epoch_length_and_distributed_order():
+    data = TensorDataset(torch.arange(50.0))
+    ref = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=3)) for r in range(2)]
+    for r in range(2):
+        s = LightningResumableSampler(data, num_replicas=2, rank=r, shuffle=True, seed=3, drop_last=False,
+                                      batch_size=4)
+        assert list(s) == ref[r] and len(s) == 25
+        s.set_trained(3)  # three batches of 4 on each of 2 ranks
+        state = s.state_dict()
+        assert state["consumed"] == 24
+        resumed = LightningResumableSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0, drop_last=False,
+                                            batch_size=4)
+        resumed.load_state_dict(state)
+        resumed.base_batches = 3  # Lightning counts three batches of this epoch as done
+        assert list(resumed) == ref[r][12:]
+        assert math.ceil(len(resumed) / 4) == math.ceil(25 / 4)  # Lightning's epoch length is unchanged
+        resumed.set_epoch(1)
+        assert resumed.consumed == 0 and len(resumed) == 25
+
+    # At another world size the rest of the epoch is dealt to the new ranks, each sample once.
+    one = LightningResumableSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=False, batch_size=4)
+    one.load_state_dict(state)
+    one.base_batches = 3
+    seen = [i for r in range(2) for i in ref[r][:12]] + list(one)
+    assert sorted(seen) == list(range(50))
+    assert math.ceil(len(one) / 4) == 3 + math.ceil(26 / 4)
+
+
+class _FakeDist:
+    """``torch.distributed`` as ``ckpt_core.coordination`` sees it, one rank per thread."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world, self.local = world, threading.local()
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_world_size(self) -> int:
+        return self.world
+
+    def get_rank(self) -> int:
+        return self.local.rank
+
+
+@pytest.mark.parametrize("arrive,ok,expected", [
+    ((0, 1), (True, True), True),     # everyone there at a boundary: save
+    ((0, 1), (True, False), False),   # one rank mid-step: nobody saves
+    ((1,), (True, True), False),      # rank 0 stuck elsewhere: rank 1 gives up alone
+    ((0,), (True, True), False),      # rank 1 stuck elsewhere: rank 0 gives up alone
+])
+def test_exception_agreement_without_collectives(monkeypatch, arrive, ok, expected):
+    import threading
+
+    import torch.distributed as dist
+
+    from ckpt_core import coordination
+
+    fake = _FakeDist(2)
+    monkeypatch.setattr(coordination, "dist", fake)
+    store, answers = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        fake.local.rank = r
+        answers[r] = coordination.all_ranks_agree("exception/7", ok[r], timeout_s=0.3, store=store)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in arrive]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert answers == {r: expected for r in arrive}  # the same answer wherever it was asked
