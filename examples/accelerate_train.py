@@ -6,7 +6,7 @@ or many, unchanged::
 
     python examples/accelerate_train.py --dirpath ckpts --steps 40
     torchrun --nproc-per-node 2 examples/accelerate_train.py --dirpath ckpts --steps 40
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py --dirpath ckpts
+    accelerate launch --cpu examples/accelerate_train.py --dirpath ckpts
 
 Running it again with the same ``--dirpath`` resumes from the newest valid
 checkpoint, mid-epoch, at any process count. Checkpoint settings also come

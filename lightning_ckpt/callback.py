@@ -48,10 +48,6 @@ from .state import LightningTrainerState
 
 log = logging.getLogger("lightning_ckpt")
 
-_ARG_FIELDS = ("dirpath", "every_n_steps", "every_seconds", "interval", "device_mtbf_hours", "keep_last",
-               "keep_every_n_steps", "keep_best", "async_mode", "verify", "resume", "resume_step",
-               "handle_preemption")
-
 
 class DistributedCheckpoint(Checkpoint):
     """Asynchronous sharded checkpoints with exact mid-epoch resume and automatic recovery.

@@ -11,6 +11,7 @@ the multi-process tests run the default process mode.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from accelerate.tracking import GeneralTracker  # noqa: E402
 from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 
 from accelerate_ckpt import Accelerator, CheckpointPlugin  # noqa: E402
-from ckpt_core import ResumableDistributedSampler  # noqa: E402
+from ckpt_core import Preempted, ResumableDistributedSampler  # noqa: E402
 from ckpt_core.sampler import find_resumable_sampler  # noqa: E402
 
 N = 48  # samples; batch 4 -> 12 steps per epoch
@@ -390,6 +391,18 @@ def test_gradient_accumulation_counts_optimizer_steps_and_never_saves_mid_window
     plugin.close()
     assert plugin.global_step == 3 and saved == [False, True] * 3
     assert [r.step for r in plugin.manager.list()] == [1, 2, 3]
+
+
+def test_preemption_signal_saves_at_the_next_step_and_exits(tmp_path):
+    plugin = plugin_for(tmp_path, handle_preemption=True)
+    acc, model, opt, dl, sched = fresh(plugin)
+    train(acc, model, opt, sched, lambda: plugin.dataloader(dl), 2, plugin)
+    os.kill(os.getpid(), signal.SIGTERM)  # recorded by the core's handler; acted on at the step boundary
+    with pytest.raises(Preempted) as exc:
+        train(acc, model, opt, sched, lambda: plugin.dataloader(dl), 1, plugin)
+    assert exc.value.code == 143 and exc.value.step == 3
+    plugin.close()
+    assert [(r.step, r.committed) for r in plugin.manager.list()] == [(3, True)]
 
 
 def test_metrics_go_to_accelerator_log(tmp_path):

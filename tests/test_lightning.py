@@ -217,10 +217,12 @@ def test_exception_agreement_without_collectives(monkeypatch, arrive, ok, expect
 
     fake = _FakeDist(2)
     monkeypatch.setattr(coordination, "dist", fake)
+    calls = threading.local()  # each "process" numbers its own calls
+    monkeypatch.setattr(coordination, "_calls", type("Counter", (), {"__next__": lambda self: calls.n})())
     store, answers = dist.HashStore(), {}
 
     def rank(r: int) -> None:
-        fake.local.rank = r
+        fake.local.rank, calls.n = r, 0
         answers[r] = coordination.all_ranks_agree("exception/7", ok[r], timeout_s=0.3, store=store)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in arrive]
