@@ -22,6 +22,7 @@ import logging
 import json
 import os
 import pickle
+import threading
 import time
 from typing import Any, Iterator, Mapping, Optional
 
@@ -39,6 +40,32 @@ from .manifest import FileEntry, build_manifest
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, write_bytes_durable
 
 log = logging.getLogger("ckpt_core")
+
+
+def _exit_with_parent() -> None:
+    """In a spawned process (DCP's checkpoint writer), exit when the process that spawned it dies.
+
+    DCP's writer process is a daemon, which only helps on a clean exit: after a
+    SIGKILL of the trainer it would linger, possibly blocked in a collective
+    with writers of other ranks. A checkpoint it had not committed stays
+    uncommitted, so exiting is always safe.
+    """
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        return
+    ppid = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ckpt-parent-watch").start()
+
+
+_exit_with_parent()
 
 SIDECAR_SUFFIX = ".ckptpart.json"
 
