@@ -39,11 +39,7 @@ from . import data as data_mod
 
 log = logging.getLogger("accelerate_ckpt")
 
-try:  # the settings layer (CKPT_<NAME> environment variables, --ckpt.<name> flags)
-    from ckpt_core.overrides import log_effective_settings, resolve_settings
-except ImportError:  # pragma: no cover - HOOK: only while ckpt_core.overrides is missing
-    resolve_settings = None  # type: ignore[assignment]
-    log_effective_settings = None  # type: ignore[assignment]
+from ckpt_core.overrides import log_effective_settings, resolve_settings  # CKPT_<NAME> env, --ckpt.<name> flags
 
 _ACCELERATE_FORMAT_FILES = ("model.safetensors", "pytorch_model.bin", "random_states_0.pkl", "optimizer.bin")
 
@@ -131,13 +127,8 @@ class CheckpointPlugin:
         code = dict(kwargs)
         if dirpath is not None:
             code["dirpath"] = os.fspath(dirpath)
-        if resolve_settings is not None:
-            self.settings, self.sources = resolve_settings(
-                code, env=env, argv=list(sys.argv[1:] if argv is None else argv), defaults=settings
-            )
-        else:  # pragma: no cover - HOOK: plain code settings until ckpt_core.overrides exists
-            self.settings = settings.replace(**code) if settings is not None else CheckpointSettings(**code)
-            self.sources = {k: "code" for k in code}
+        self.settings, self.sources = resolve_settings(
+            code, env=env, argv=list(sys.argv[1:] if argv is None else argv), defaults=settings)
         self.rebuild_dataloaders = rebuild_dataloaders
         self.log_metrics = log_metrics
         self.accelerator: Any = None
@@ -187,7 +178,7 @@ class CheckpointPlugin:
         accelerator.save_state = self._save_state
         accelerator.load_state = self._load_state
         accelerator.end_training = self._end_training
-        if accelerator.is_main_process and log_effective_settings is not None:
+        if accelerator.is_main_process:
             log_effective_settings(self.settings, self.sources, logger=log)
         return self
 
