@@ -90,13 +90,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_dist(rank: int, world: int, port: int) -> None:
-    """A gloo process group over loopback (also for one rank: DCP's process mode needs one)."""
+def init_dist(rank: int, world: int, rdzv: Any) -> None:
+    """A gloo process group (also for one rank: DCP's process mode needs one).
+
+    ``rdzv`` is a FileStore path from ``run_ranks`` (no port to race for on a
+    shared machine) or a TCP port on loopback.
+    """
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    if isinstance(rdzv, str):
+        dist.init_process_group("gloo", store=dist.FileStore(rdzv, world), rank=rank, world_size=world)
+    else:
+        os.environ["MASTER_PORT"] = str(rdzv)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def barrier() -> None:
@@ -126,15 +134,22 @@ def stop_dcp_process() -> None:
     gc.collect()
 
 
-def run_ranks(fn: Callable[[int, int, int, dict], None], world: int, spec: dict) -> None:
-    """Run ``fn(rank, world, port, spec)`` on ``world`` ranks: in this process for one rank, else spawned."""
-    port = free_port()
-    if world == 1:
-        fn(0, 1, port, spec)
-        return
-    import torch.multiprocessing as mp
+def run_ranks(fn: Callable[[int, int, Any, dict], None], world: int, spec: dict) -> None:
+    """Run ``fn(rank, world, rdzv, spec)`` on ``world`` ranks: in this process for one rank, else spawned.
 
-    mp.start_processes(fn, args=(world, port, spec), nprocs=world, join=True, start_method="spawn")
+    ``rdzv`` is a fresh FileStore path for ``init_dist``.
+    """
+    tmp = tempfile.mkdtemp(prefix="ckpt-bench-store-")
+    rdzv = os.path.join(tmp, "store")
+    try:
+        if world == 1:
+            fn(0, 1, rdzv, spec)
+            return
+        import torch.multiprocessing as mp
+
+        mp.start_processes(fn, args=(world, rdzv, spec), nprocs=world, join=True, start_method="spawn")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------- memory

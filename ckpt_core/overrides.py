@@ -515,7 +515,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def settings_table_markdown() -> str:
-    """The settings table of the README (docs/cli.md), generated from the dataclass."""
+    """The settings table of the README, generated from the dataclass."""
     rows = [
         "| setting | default | environment variable | flag | values |",
         "|---|---|---|---|---|",
