@@ -134,6 +134,23 @@ def stop_dcp_process() -> None:
     gc.collect()
 
 
+def finish_rank(world: int) -> None:
+    """End a rank after its results are written: tear the group down, or, in a spawned rank, just exit.
+
+    A spawned rank leaves with ``os._exit(0)``: tearing down gloo at interpreter
+    exit after DCP's background threads sometimes aborts ("terminate called
+    without an active exception"), which would fail a run whose measurements
+    are complete.
+    """
+    import torch.distributed as dist
+
+    if world > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
 def run_ranks(fn: Callable[[int, int, Any, dict], None], world: int, spec: dict) -> None:
     """Run ``fn(rank, world, rdzv, spec)`` on ``world`` ranks: in this process for one rank, else spawned.
 

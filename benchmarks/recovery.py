@@ -109,7 +109,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
             C.write_result(spec, gathered)
         mgr.close()
         dist.barrier()
-        dist.destroy_process_group()
+        C.finish_rank(world)
         return
     # role == "train": run until killed (or max_steps).
     progress = None
@@ -126,7 +126,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
             os.write(progress, json.dumps({"step": step, "t": time.time(), "dt": time.time() - t0,
                                            "committed": None if last is None else last.step}).encode() + b"\n")
     mgr.close()
-    dist.destroy_process_group()
+    C.finish_rank(world)
 
 
 def worker_main(spec_path: str) -> None:

@@ -356,7 +356,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
     if rank == 0:
         C.write_result(spec, gathered)
     dist.barrier()
-    dist.destroy_process_group()
+    C.finish_rank(world)
 
 
 def _run_round(ctx: Ctx, sampler: Any, order: list, base_mem: int, base_rss: int) -> dict:
@@ -730,22 +730,27 @@ def main(argv: Optional[list] = None) -> int:
     log_path = C.RESULTS_DIR / f"save_{stamp}.log"
     t0 = time.time()
     print(f"checkpoints under {args.dir}; worker logs in {log_path}", flush=True)
-    suites = []
+    suites: list = []
+
+    def payload() -> dict:
+        return {
+            "benchmark": "save", "timestamp": stamp, "wall_s": time.time() - t0, "machine": C.machine_info(),
+            "config": {k: v for k, v in vars(args).items() if k != "worker"},
+            "descriptions": DESCRIPTIONS, "suites": suites,
+        }
+
     try:
         for ranks in args.ranks:
             suites.append(run_suite(args, ranks, log_path))
+            print_table(suites[-1])
+            if ranks != args.ranks[-1]:  # keep what is done if a later suite dies
+                C.save_json(f"save_{stamp}.json", payload(), None)
     finally:
         if own_dir:
             C.rmtree(args.dir)
-    payload = {
-        "benchmark": "save", "timestamp": stamp, "wall_s": time.time() - t0, "machine": C.machine_info(),
-        "config": {k: v for k, v in vars(args).items() if k != "worker"},
-        "descriptions": DESCRIPTIONS, "suites": suites,
-    }
-    for suite in suites:
-        print_table(suite)
-    paths = C.save_json(f"save_{stamp}.json", payload, args.out)
-    png = None if args.no_plot else plot(payload, C.RESULTS_DIR / f"save_{stamp}.png")
+    final = payload()
+    paths = C.save_json(f"save_{stamp}.json", final, args.out)
+    png = None if args.no_plot else plot(final, C.RESULTS_DIR / f"save_{stamp}.png")
     print(f"\nwrote {', '.join(map(str, paths))}" + (f" and {png}" if png else " (no plot: matplotlib not importable)")
           + f" in {time.time() - t0:.0f}s")
     return 1 if any(s["failures"] for s in suites) else 0

@@ -18,6 +18,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -134,11 +135,15 @@ def _ensure_process_group() -> None:
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 
 
+EXIT_FLUSH_TIMEOUT_S = 120.0
+
+
 @atexit.register
 def _flush_at_exit() -> None:
+    """Give an in-flight save a bounded time to commit at interpreter exit (never hang the exit)."""
     for m in list(_LIVE):
         try:
-            m.close()
+            m._flush_for_exit(EXIT_FLUSH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - best effort at interpreter exit
             log.warning("ckpt_core: could not flush checkpoints at exit: %s", e)
 
@@ -472,6 +477,19 @@ class CheckpointManager:
         for f in list(self._retention_futures):
             f.result()
         self._retention_futures = []
+
+    def _flush_for_exit(self, timeout_s: float) -> None:
+        inflight = self._inflight
+        if inflight is not None:
+            try:
+                inflight.future.result(timeout=timeout_s)
+            except FutureTimeout:
+                log.warning("ckpt_core: the save at step %d did not finish within %.0fs of exit; it stays "
+                            "uncommitted", inflight.step, timeout_s)
+                return
+            except Exception:  # noqa: BLE001 - reported below by close()
+                pass
+        self.close()
 
     def close(self) -> None:
         """Flush and release staging buffers, threads and signal handlers. Safe to call twice."""

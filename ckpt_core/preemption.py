@@ -49,6 +49,11 @@ class PreemptionWatcher:
         self.installed = True
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            # a second signal: the sender insists (or training is stuck before a step boundary)
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
         self.signum = signum
 
     @property
