@@ -108,6 +108,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
         if rank == 0:
             C.write_result(spec, gathered)
         mgr.close()
+        C.stop_dcp_process()
         dist.barrier()
         C.finish_rank(world)
         return
@@ -229,6 +230,10 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError(f"resume worker timed out after {args.timeout}s")
+        try:  # stragglers of the resume worker's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if rc != 0 or not os.path.exists(spec["result_path"]):
             raise RuntimeError(f"resume worker failed (rc={rc}):\n{C.tail(log_path)}")
         with open(spec["result_path"]) as f:
