@@ -269,6 +269,37 @@ def run_save_variant(ctx: Ctx, name: str) -> dict:
     return {"first": first, "steady": steady, "extra": ops.extra}
 
 
+def measure_refs(ctx: Ctx) -> dict:
+    """The machine's limits again, in this process right after a variant: paired references for its ratios.
+
+    The shared machine drifts by several times within minutes, so a variant's
+    stall is divided by a warm ``copy_`` of the same bytes timed in the same
+    process seconds later (median of 3), and its persist time compared with
+    an fsync'd sequential write timed right after it.
+    """
+    import torch
+
+    bufs = [torch.empty_like(t) for t in ctx.local]
+    for b in bufs:
+        b.fill_(0)
+    copies = []
+    for _ in range(3):
+        C.barrier()
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, ctx.local):
+            b.copy_(t)
+        copies.append(time.perf_counter() - t0)
+    del bufs
+    path = os.path.join(ctx.root, f"ref_rank{ctx.rank}.bin")
+    C.barrier()
+    t0 = time.perf_counter()
+    C.fsync_write(path, ctx.local)
+    write_s = time.perf_counter() - t0
+    _unlink(path)
+    C.barrier()
+    return {"copy_s": C.median(copies), "write_s": write_s}
+
+
 def make_work(ctx: Ctx):
     """One toy training step: ``k`` matmuls (calibrated by the harness) and, on several ranks, an all_reduce."""
     import torch
@@ -374,6 +405,8 @@ def _run_round(ctx: Ctx, sampler: Any, order: list, base_mem: int, base_rss: int
         time.sleep(3 * spec["mem_interval_s"])
         res["mem"] = {"peak": sampler.peak, "peak_rss": sampler.peak_rss, "base": base_mem,
                       "base_rss": base_rss, "samples": sampler.samples}
+        if "error" not in res and not name.startswith(LOOP_PREFIX) and name not in (LIMIT_COPY, LIMIT_WRITE):
+            res["ref"] = measure_refs(ctx)  # after the memory window: its buffers are not the variant's
         res["wall_s"] = time.perf_counter() - t0
         if rank == 0:
             print(f"[worker] {name}: {res['wall_s']:.1f}s", flush=True)
@@ -433,8 +466,11 @@ def merge_ranks(gathered: list, name: str, rnd: int = 0) -> dict:
         for k in ("base_s", "ckpt_s", "stalls", "drains"):
             out[k] = [max(v) for v in zip(*[r[k] for r in per_rank])]
         out["overhead"] = sum(out["ckpt_s"]) / sum(out["base_s"]) - 1
+        out["pair_overheads"] = [c / b - 1 for b, c in zip(out["base_s"], out["ckpt_s"])]
         out["extra"] = per_rank[0]["extra"]
         return out
+    if all("ref" in r for r in per_rank):
+        out["ref"] = {k: max(r["ref"][k] for r in per_rank) for k in ("copy_s", "write_s")}
     out["first"] = {k: slowest(k, [r["first"] for r in per_rank]) for k in ("stall", "persist")}
     out["steady"] = [{k: slowest(k, list(items)) for k in ("stall", "persist")}
                      for items in zip(*[r["steady"] for r in per_rank])]
@@ -444,7 +480,7 @@ def merge_ranks(gathered: list, name: str, rnd: int = 0) -> dict:
 
 def run_suite(args: argparse.Namespace, ranks: int, log_path: Path) -> dict:
     cpus = os.cpu_count() or 1
-    threads = max(1, cpus // ranks)
+    threads = args.train_threads or max(1, cpus // ranks)
     cal = calibrate(threads, args.matmul_n, args.loop_step_s)
     loop = {**cal, "every": args.loop_every, "pairs": args.loop_pairs, "step_s_target": args.loop_step_s}
     names = save_variants(args) + loop_variants(args)
@@ -523,7 +559,8 @@ def summarize(samples: dict, names: list, args: argparse.Namespace, ranks: int) 
     for name in names:
         good = ok(name)
         if name.startswith(LOOP_PREFIX):
-            rows[name] = {"overhead": C.median([s["overhead"] for s in good]),
+            rows[name] = {"overhead": C.median([x for s in good for x in s["pair_overheads"]]),
+                          "overhead_per_round": [s["overhead"] for s in good],
                           "base_period_s": C.median([x for s in good for x in s["base_s"]]),
                           "ckpt_period_s": C.median([x for s in good for x in s["ckpt_s"]]),
                           "loop_stall_s": C.median([x for s in good for x in s["stalls"]]),
@@ -538,6 +575,11 @@ def summarize(samples: dict, names: list, args: argparse.Namespace, ranks: int) 
             "mem_net": C.median([s["mem_net"] for s in good]),
             "mem_gross": C.median([s["mem_gross"] for s in good]),
             "n": len(good),
+            # paired with the references measured in the same process (see measure_refs)
+            "stall_over_copy_paired": C.median([C.median([x["stall"] for x in s["steady"]]) / s["ref"]["copy_s"]
+                                                for s in good if "ref" in s]),
+            "persist_over_limit_paired": C.median([s["ref"]["write_s"] / C.median([x["persist"] for x in s["steady"]])
+                                                   for s in good if "ref" in s and s["steady"][0]["persist"]]),
         }
     copy_s = rows.get(LIMIT_COPY, {}).get("stall_s")
     write_s = rows.get(LIMIT_WRITE, {}).get("persist_s")
@@ -545,10 +587,12 @@ def summarize(samples: dict, names: list, args: argparse.Namespace, ranks: int) 
     for name, r in rows.items():
         if name.startswith(LOOP_PREFIX):
             continue
-        r["stall_over_copy"] = C.ratio(r["stall_s"], copy_s)
+        r["stall_over_copy_unpaired"] = C.ratio(r["stall_s"], copy_s)
+        r["persist_over_limit_unpaired"] = C.ratio(write_s, r["persist_s"])
+        r["stall_over_copy"] = r["stall_over_copy_paired"] or r["stall_over_copy_unpaired"]
+        r["persist_over_limit"] = r["persist_over_limit_paired"] or r["persist_over_limit_unpaired"]
         r["stall_over_torch_save"] = C.ratio(r["stall_s"], tsave_s)
         r["persist_GBps"] = C.ratio(total / 1e9, r["persist_s"])
-        r["persist_over_limit"] = C.ratio(write_s, r["persist_s"])
         loop = rows.get(LOOP_PREFIX + name)
         r["loop_overhead"] = loop.get("overhead") if loop else None
     return {"rows": rows, "targets": targets(rows, args), "state_bytes": total, "ranks": ranks}
@@ -602,8 +646,9 @@ def print_table(suite: dict) -> None:
     rows = s["rows"]
     hdr = (f"{'variant':<26}{'first':>8}{'stall':>8}{'/copy':>8}{'/t.save':>9}{'persist':>9}{'GB/s':>7}"
            f"{'/limit':>8}{'train+%':>9}{'mem/state':>10}{'n':>3}")
-    print(f"\n-- {suite['ranks']} rank(s), state {s['state_bytes'] / C.GiB:.3g} GiB (medians; seconds; "
-          f"first = first save of a fresh process) --")
+    print(f"\n-- {suite['ranks']} rank(s), state {s['state_bytes'] / C.GiB:.3g} GiB, "
+          f"{suite['threads_per_rank']} torch thread(s)/rank (medians; seconds; first = first save of a fresh process; "
+          f"/copy and /limit paired with a copy_ and a write timed in the same process) --")
     print(hdr)
     print("-" * len(hdr))
     for name, r in rows.items():
@@ -689,6 +734,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--loop-pairs", type=int, default=None,
                    help="pairs of (no-save, save) periods per toy loop and round (default 2; --quick: 1)")
     p.add_argument("--matmul-n", type=int, default=512, help="matrix size of the toy training step")
+    p.add_argument("--train-threads", type=int, default=None,
+                   help="torch threads per rank (default: all cores split over the ranks; 1 leaves cores to the "
+                        "background writer, as a GPU-bound trainer would)")
     p.add_argument("--no-loop", action="store_true", help="skip the training-overhead loop")
     p.add_argument("--variants", default="", help="comma-separated subset of variants to run (names as in the table)")
     p.add_argument("--isolation", choices=("variant", "round", "run"), default=None,
