@@ -167,12 +167,31 @@ def with_retries(fn: Any, what: str, retries: int, backoff_s: float) -> Any:
     raise AssertionError("unreachable")
 
 
+def _zip_crc32(enabled: bool) -> Any:
+    """DCP writes each tensor with ``torch.save``, whose zip container computes a CRC32 of every byte.
+
+    That CRC costs ~0.35 s per GiB (measured: torch.save of 1 GiB into an
+    fsync'd file 1.20 s with it, 0.82 s without, a raw write 0.90 s) and adds
+    nothing here: every file already gets a CRC32C in the same pass, which
+    discovery verifies. ``torch.load`` reads the files either way. The switch is
+    process-global, so it is only turned off where no user code can run a
+    ``torch.save`` meanwhile: DCP's writer process, and a synchronous save.
+    """
+    if enabled:
+        return contextlib.nullcontext()
+    from torch.utils.serialization import config
+
+    return config.patch({"save.compute_crc32": False})
+
+
 class _CommitMixin:
     """Adds checksums, per-rank sidecars, retries and the manifest commit to a DCP writer."""
 
     def _init_commit(self, manifest_fields: Mapping[str, Any], storage_url: str,
-                     storage_options: Optional[Mapping[str, Any]], retries: int, backoff_s: float) -> None:
+                     storage_options: Optional[Mapping[str, Any]], retries: int, backoff_s: float,
+                     zip_crc32: bool) -> None:
         self.fs = _HashingFileSystem(self.fs)
+        self._zip_crc32 = zip_crc32
         self._manifest_fields = dict(manifest_fields)
         self._storage_url = storage_url
         self._storage_options = dict(storage_options or {})
@@ -181,19 +200,32 @@ class _CommitMixin:
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         prefix = plan.storage_data.prefix
+        # The fingerprint is a read-only pass over the same tensors: it runs beside the write (numpy
+        # releases the GIL) instead of before it, so it is hidden behind the storage instead of adding
+        # ~0.35 s per GiB to the persist time.
         sums: dict[str, fp.Entry] = {}
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn):
-                t = planner.resolve_data(item)
-                sums = fp.combine([sums, {item.index.fqn: fp.tensor_entry(t)}])
+        fp_error: list[BaseException] = []
+
+        def fingerprint() -> None:
+            nonlocal sums
+            try:
+                for item in plan.items:
+                    if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn):
+                        sums = fp.combine([sums, {item.index.fqn: fp.tensor_entry(planner.resolve_data(item))}])
+            except BaseException as e:  # noqa: BLE001 - re-raised on the writing thread below
+                fp_error.append(e)
+
+        fp_thread = threading.Thread(target=fingerprint, name="ckpt-fingerprint", daemon=True)
+        fp_thread.start()
 
         def write_all() -> Any:
             for name in [n for n in self.fs.records if n.startswith(prefix)]:
                 del self.fs.records[name]
             self.fs.last_error = None
             try:
-                fut = super(_CommitMixin, self).write_data(plan, planner)  # type: ignore[misc]
-                fut.wait()
+                with _zip_crc32(self._zip_crc32):
+                    fut = super(_CommitMixin, self).write_data(plan, planner)  # type: ignore[misc]
+                    fut.wait()
             except Exception as e:
                 cause, self.fs.last_error = self.fs.last_error, None
                 if cause is not None and cause is not e:
@@ -203,7 +235,13 @@ class _CommitMixin:
                 raise OSError(errno.EIO, f"only {len(fut.value())} of {len(plan.items)} items were written")
             return fut
 
-        fut = with_retries(write_all, f"writing the shards of rank prefix {prefix}", self._retries, self._backoff_s)
+        try:
+            fut = with_retries(write_all, f"writing the shards of rank prefix {prefix}", self._retries,
+                               self._backoff_s)
+        finally:
+            fp_thread.join()
+        if fp_error:
+            raise fp_error[0]
         files = {name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)}
         part = json.dumps({"prefix": prefix, "files": files, "fingerprint": sums}).encode()
 
@@ -251,18 +289,18 @@ class LocalCommitWriter(_CommitMixin, FileSystemWriter):
     """``FileSystemWriter`` (plain files, fsync) with checksums and the manifest commit."""
 
     def __init__(self, path: str, manifest_fields: Mapping[str, Any], retries: int = 3,
-                 backoff_s: float = 0.5, **kwargs: Any) -> None:
+                 backoff_s: float = 0.5, zip_crc32: bool = True, **kwargs: Any) -> None:
         FileSystemWriter.__init__(self, path, **kwargs)
-        self._init_commit(manifest_fields, path, None, retries, backoff_s)
+        self._init_commit(manifest_fields, path, None, retries, backoff_s, zip_crc32)
 
 
 class FsspecCommitWriter(_CommitMixin, FsspecWriter):
     """``FsspecWriter`` (any fsspec URL) with checksums and the manifest commit."""
 
     def __init__(self, path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,
-                 retries: int = 3, backoff_s: float = 0.5, **kwargs: Any) -> None:
+                 retries: int = 3, backoff_s: float = 0.5, zip_crc32: bool = True, **kwargs: Any) -> None:
         FsspecWriter.__init__(self, path, **kwargs, **dict(storage_options or {}))
-        self._init_commit(manifest_fields, path, storage_options, retries, backoff_s)
+        self._init_commit(manifest_fields, path, storage_options, retries, backoff_s, zip_crc32)
 
 
 def make_writer(path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,

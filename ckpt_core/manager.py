@@ -252,6 +252,17 @@ class CheckpointManager:
             return False
         return self.save(step, state, metrics=metrics)
 
+    def poll(self) -> None:
+        """Collect a background save that has finished, without blocking; not a collective.
+
+        Its commit is recorded and retention starts on its background thread.
+        ``maybe_save`` does this every step; a loop that calls ``save`` itself
+        should call ``poll`` every step too, or the previous checkpoint is only
+        deleted (and a failed write only reported) at the next ``save``/``wait``.
+        """
+        self._check_open()
+        self._poll(block=False)
+
     def save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
         """Save ``state`` as checkpoint ``step`` (collective). Returns False when skipped."""
         self._check_open()
@@ -278,11 +289,11 @@ class CheckpointManager:
             "metrics": dict(metrics or {}),
             "contents": state.contents(),
         }
+        mode = self._mode_for(state)
         writer = make_writer(path, fields, storage_options=self.settings.storage_options,
                              thread_count=self.settings.writer_threads, retries=self.settings.write_retries,
-                             backoff_s=self.settings.retry_backoff_s)
+                             backoff_s=self.settings.retry_backoff_s, zip_crc32=mode == "thread")
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        mode = self._mode_for(state)
         t0 = time.monotonic()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")

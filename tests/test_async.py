@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from pathlib import Path
 
@@ -50,6 +51,48 @@ def test_async_and_sync_saves_restore_identical_tensors(tmp_path, mode):
     ma = read_manifest(get_fs(str(tmp_path))[0], str(tmp_path / "sync" / "step_000000005"))
     mb = read_manifest(get_fs(str(tmp_path))[0], str(tmp_path / "async" / "step_000000005"))
     assert ma.fingerprint == mb.fingerprint
+
+
+def _central_crcs(buf: bytes) -> list[int]:
+    out, i = [], buf.find(b"PK\x01\x02")
+    while i != -1:
+        out.append(struct.unpack_from("<I", buf, i + 16)[0])
+        i = buf.find(b"PK\x01\x02", i + 4)
+    return out
+
+
+def _zip_crcs(path: Path) -> list[int]:
+    """CRC32 fields of the zip central-directory entries in DCP's data files (one zip per tensor)."""
+    return [c for f in sorted(path.glob("*.distcp")) for c in _central_crcs(f.read_bytes())]
+
+
+def _zip_crcs_of_blob(state: TrainState) -> list[int]:
+    """The zip entries inside the per-rank blob (a byte tensor that torch.save built on the training side)."""
+    from ckpt_core.state import RANK_KEY
+
+    return [c for v in state.state_dict()[RANK_KEY].values() for c in _central_crcs(v.numpy().tobytes())]
+
+
+def test_zip_crc32_is_skipped_only_where_no_user_code_can_save(tmp_path):
+    """Sync and process saves skip torch.save's zip CRC32 (CRC32C covers the files); thread mode keeps it."""
+    from torch.utils.serialization import config
+
+    model, opt, state = _state()
+    crcs = {}
+    for mode in ("off", "thread", "process"):
+        with CheckpointManager(str(tmp_path / mode), async_mode=mode, handle_preemption=False) as m:
+            m.save(5, state)
+            assert config.save.compute_crc32 is True  # the process-global switch is back
+        crcs[mode] = _zip_crcs(tmp_path / mode / "step_000000005")
+        a_model, _ = _restored(tmp_path / mode)
+        for k, v in model.state_dict().items():
+            assert torch.equal(a_model.state_dict()[k], v)
+    # one zip per tensor written by DCP (CRC 0 when skipped), plus the zip inside the per-rank blob,
+    # which torch.save builds on the training side with its CRC
+    zeros = {mode: c.count(0) for mode, c in crcs.items()}
+    assert len(crcs["off"]) == len(crcs["thread"]) == len(crcs["process"])
+    assert zeros["thread"] == 0
+    assert zeros["off"] == zeros["process"] == len(crcs["off"]) - len(_zip_crcs_of_blob(state))
 
 
 def test_staging_buffers_are_reused(tmp_path):
@@ -220,3 +263,19 @@ def test_disk_full_in_background_process(tmp_path, policy, rc):
     else:
         assert "checkpoint save at step 20 failed" in proc.stderr and "committed 30" in proc.stdout
         assert committed == [10, 30]
+
+
+def test_poll_commits_and_runs_retention_without_blocking(tmp_path):
+    """A loop that drives save() itself calls poll() each step: the commit and retention happen in the background."""
+    model, opt, state = _state()
+    with CheckpointManager(str(tmp_path), async_mode="thread", keep_last=1, handle_preemption=False) as m:
+        m.save(1, state)
+        m.wait()
+        m.save(2, state)
+        deadline = time.monotonic() + 60
+        while (tmp_path / "step_000000001").exists() and time.monotonic() < deadline:
+            m.poll()  # never blocks; a finished save is committed, then retention deletes step 1
+            time.sleep(0.01)
+        assert not (tmp_path / "step_000000001").exists()
+        assert [s.step for s in m.save_history if s.committed] == [1, 2]
+    assert [r.step for r in list_records(str(tmp_path))] == [2]
