@@ -292,7 +292,7 @@ class CheckpointManager:
         mode = self._mode_for(state)
         writer = make_writer(path, fields, storage_options=self.settings.storage_options,
                              thread_count=self.settings.writer_threads, retries=self.settings.write_retries,
-                             backoff_s=self.settings.retry_backoff_s, zip_crc32=mode == "thread")
+                             backoff_s=self.settings.retry_backoff_s)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         t0 = time.monotonic()
         with warnings.catch_warnings():
