@@ -206,11 +206,10 @@ class _CommitMixin:
         fp_error: list[BaseException] = []
 
         def fingerprint() -> None:
-            nonlocal sums
             try:
-                for item in plan.items:
-                    if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn):
-                        sums = fp.combine([sums, {item.index.fqn: fp.tensor_entry(planner.resolve_data(item))}])
+                sums.update(fp.combine(
+                    {item.index.fqn: fp.tensor_entry(planner.resolve_data(item))} for item in plan.items
+                    if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn)))
             except BaseException as e:  # noqa: BLE001 - re-raised on the writing thread below
                 fp_error.append(e)
 

@@ -289,11 +289,11 @@ class CheckpointManager:
             "metrics": dict(metrics or {}),
             "contents": state.contents(),
         }
-        mode = self._mode_for(state)
         writer = make_writer(path, fields, storage_options=self.settings.storage_options,
                              thread_count=self.settings.writer_threads, retries=self.settings.write_retries,
                              backoff_s=self.settings.retry_backoff_s)
         planner = DefaultSavePlanner(enable_plan_caching=True)
+        mode = self._mode_for(state)
         t0 = time.monotonic()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
