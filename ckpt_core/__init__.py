@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointManager": "manager",
+    "CheckpointRootError": "roots",
+    "IntegrityError": "integrity",
+    "UnsafeCheckpointError": "safe_pickle",
     "RestoreError": "manager",
     "SaveError": "manager",
     "SaveStats": "manager",

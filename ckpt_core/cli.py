@@ -1,8 +1,10 @@
 """``ckpt``: list, inspect, verify, prune and export checkpoints (local paths or any fsspec URL).
 
-Exit codes: 0 success; 1 a checkpoint failed verification (``verify``) or a
-deletion failed (``prune``); 2 bad usage, or a path that is not a checkpoint
-(or root), or a checkpoint that cannot be read/exported.
+Exit codes: 0 success; 1 a checkpoint is invalid (fails verification, is
+corrupt or unsafe to read) or a deletion failed (``prune``); 2 bad usage, or a
+path that is not a checkpoint (or root). Whatever a checkpoint directory
+holds, a command ends with one line on stderr, never a traceback
+(``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from . import __version__
 from .discovery import choose_for_restore, list_records, read_manifest, validate
+from .errors import describe, is_fatal
+from .integrity import IntegrityError
 from .manifest import Manifest, ManifestError
 from .records import CheckpointRecord
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
@@ -27,6 +31,8 @@ from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, l
 __all__ = ["main", "build_parser", "CliError"]
 
 EXIT_OK, EXIT_INVALID, EXIT_ERROR = 0, 1, 2
+_INVALID = (IntegrityError, pickle.UnpicklingError, EOFError)
+"""Failures that mean "this checkpoint is corrupt or unsafe" (exit 1) rather than "not a checkpoint" (exit 2)."""
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -115,6 +121,8 @@ def _kind(path: str) -> str:
 
 def _require_root(path: str) -> None:
     fs, p = _fs(path)
+    if _exists(fs, p) and not fs.isdir(p):
+        raise CliError(f"{path} is a file, not a checkpoint root (a directory holding step_<N> directories)")
     if _kind_quiet(path) == "checkpoint":
         raise CliError(f"{path} is a checkpoint, not a checkpoint root; give its parent directory "
                        f"(or use `ckpt inspect {path}`)")
@@ -278,13 +286,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fs, p = _fs(path)
     manifest, why = _manifest_of(path)
     metadata, md_problem = None, None
+    invalid = False
     if _exists(fs, join(p, DCP_METADATA_NAME)):
         from .dcp_io import read_metadata
 
         try:
-            metadata = read_metadata(path)
-        except (pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
-            md_problem = f"{DCP_METADATA_NAME} cannot be read: {type(e).__name__}: {e}"
+            metadata = read_metadata(path, manifest=manifest)
+        except BaseException as e:  # noqa: BLE001 - a corrupt or crafted .metadata is reported, never run
+            if is_fatal(e):
+                raise
+            md_problem, invalid = f"{DCP_METADATA_NAME} cannot be read: {describe(e)}", True
     else:
         md_problem = f"no {DCP_METADATA_NAME} (DCP metadata)"
     if manifest is None and metadata is None:
@@ -319,7 +330,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             }
             body["contents"] = dict(manifest.contents)
         _out(json.dumps(body, indent=1, allow_nan=True))
-        return EXIT_OK
+        return EXIT_INVALID if invalid else EXIT_OK
 
     _out(f"checkpoint {path}")
     if manifest is None:
@@ -381,7 +392,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 key = o.rsplit(".", 1)[0] if o.count(".") >= 2 else _group(o)
                 og[key] = og.get(key, 0) + 1
             _out("non-tensor entries: " + ", ".join(f"{k}.* ({n})" for k, n in og.items()))
-    return EXIT_OK
+    return EXIT_INVALID if invalid else EXIT_OK
 
 
 # ----------------------------------------------------------------- verify
@@ -435,7 +446,7 @@ def _keep_best(text: Optional[str]) -> Optional[tuple]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .retention import build_policy, steps_to_delete
+    from .retention import build_policy, records_to_delete
     from .storage import remove_tree
 
     root = args.root.rstrip("/") or args.root
@@ -450,18 +461,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     records = list_records(root)
-    by_step = {r.step: r for r in records}
-    doomed = steps_to_delete(records, policy)
-    kept = [r.step for r in records if r.step not in doomed]
+    doomed = records_to_delete(records, policy)
+    kept = [r.step for r in records if r not in doomed]
     verb = "would delete" if args.dry_run else "deleting"
     fs, _ = _fs(root)
     failed = []
     freed = 0
     with _progress(len(doomed) if not args.dry_run else 0, "prune", unit="ckpt") as bar:
-        for step in doomed:
-            r = by_step[step]
+        for r in doomed:
             what = "committed" if r.committed else "uncommitted"
-            _out(f"{verb} step {step} ({what}, {human_bytes(r.total_bytes) if r.committed else '-'}): {r.path}")
+            _out(f"{verb} step {r.step} ({what}, {human_bytes(r.total_bytes) if r.committed else '-'}): {r.path}")
             if args.dry_run:
                 freed += r.total_bytes
                 continue
@@ -469,7 +478,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 remove_tree(fs, _fs(r.path)[1])
                 freed += r.total_bytes
             except OSError as e:
-                failed.append(step)
+                failed.append(r.step)
                 print(f"ckpt: could not delete {r.path}: {type(e).__name__}: {e}", file=sys.stderr)
             bar.update(1)
     summary = "would free" if args.dry_run else "freed"
@@ -483,7 +492,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import ExportError, export_model
+    from .export import ExportError, InvalidCheckpointError, export_model
 
     path = args.path.rstrip("/")
     if _kind(path) != "checkpoint":
@@ -496,6 +505,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         result = export_model(path, args.out, format=fmt, dtype=args.dtype,
                               verify="checksum" if args.checksum else "size",
                               allow_uncommitted=args.force)
+    except InvalidCheckpointError as e:
+        raise CliError(str(e), EXIT_INVALID) from None
     except ExportError as e:
         raise CliError(str(e)) from None
     dtype = result.dtype or "saved dtypes"
@@ -643,11 +654,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
         return EXIT_OK
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-        if args.debug:
+    except BaseException as e:  # noqa: BLE001 - one line for anything, whatever the checkpoint holds
+        if args.debug or isinstance(e, (SystemExit, GeneratorExit)):
             raise
-        print(f"ckpt: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        print(f"ckpt: error: {describe(e)}", file=sys.stderr)
+        return EXIT_INVALID if isinstance(e, _INVALID) else EXIT_ERROR
 
 
 if __name__ == "__main__":

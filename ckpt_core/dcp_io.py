@@ -1,13 +1,21 @@
-"""DCP storage edge: writers that checksum while writing and commit last, safe readers.
+"""DCP storage edge: writers that checksum while writing and commit last, readers that verify what they read.
 
-``CommitWriter`` is DCP's own file-system writer with three additions:
+The commit writers (``LocalCommitWriter``, ``FsspecCommitWriter``) are DCP's
+own file-system writers with three additions:
 
-* every byte written goes through a CRC32C stream, so file sizes and checksums
-  are known without reading anything back;
-* each rank leaves a small JSON sidecar (its files and its share of the state
-  fingerprint) once its data is durable;
+* every byte written goes through a CRC32C stream, one checksum per DCP item
+  (file, offset, length), so sizes and checksums are known without reading
+  anything back; a file's checksum is combined from its items';
+* each rank leaves a small JSON sidecar (its files, its items' checksums, its
+  share of the state fingerprint, the checkpoint's id and step) once its data
+  is durable;
 * the coordinator's ``finish`` (which DCP runs only after every rank's data is
   written) writes DCP's ``.metadata`` and then ``manifest.json``: the commit.
+
+The safe readers unpickle ``.metadata`` with an exact allowlist
+(``safe_pickle``) and, given the manifest, check ``.metadata``, the sidecars
+and every item a load reads against the checksums recorded at write time
+(``integrity``).
 
 Because all of this happens inside DCP's save, it runs wherever DCP runs the
 save: inline, in a background thread, or in the background process.
@@ -19,12 +27,10 @@ import contextlib
 import errno
 import io
 import logging
-import json
 import os
-import pickle
 import threading
 import time
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import crc32c
 import torch
@@ -36,8 +42,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import fingerprint as fp
-from .manifest import FileEntry, build_manifest
-from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, write_bytes_durable
+from .crc_combine import crc32c_combine
+from .integrity import CheckpointVerifier, IntegrityError
+from .manifest import FileEntry, Manifest, build_manifest
+from .safe_pickle import load_dcp_metadata
+from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_name
+from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, read_many, write_bytes_durable
 
 log = logging.getLogger("ckpt_core")
 
@@ -67,28 +77,44 @@ def _exit_with_parent() -> None:
 
 _exit_with_parent()
 
-SIDECAR_SUFFIX = ".ckptpart.json"
-
-
-def sidecar_name(rank_prefix: str) -> str:
-    return f"{rank_prefix}{SIDECAR_SUFFIX}"
-
 
 class _HashingStream(io.RawIOBase):
-    """Forwards writes to ``raw`` while keeping a running CRC32C and byte count."""
+    """Forwards writes to ``raw`` while keeping a CRC32C per segment.
+
+    DCP asks the stream for its position (``tell``) right before and right
+    after each item it writes, so the segments between two ``tell`` calls are
+    exactly DCP's items.
+    """
 
     def __init__(self, raw: Any, owner: "_HashingFileSystem") -> None:
         self._raw = raw
         self._owner = owner
-        self.crc = 0
         self.size = 0
+        self._seg_start = 0
+        self._seg_crc = 0
+        self.segments: list[tuple[int, int, int]] = []
+        """(offset, length, crc32c) of each segment, in file order."""
 
     def writable(self) -> bool:
         return True
 
+    def _cut(self) -> None:
+        if self.size > self._seg_start:
+            self.segments.append((self._seg_start, self.size - self._seg_start, self._seg_crc))
+        self._seg_start, self._seg_crc = self.size, 0
+
+    @property
+    def crc(self) -> int:
+        """CRC32C of everything written so far, combined from the segments'."""
+        self._cut()
+        crc = 0
+        for _offset, length, seg_crc in self.segments:
+            crc = crc32c_combine(crc, seg_crc, length)
+        return crc
+
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        self.crc = crc32c.crc32c(mv, self.crc)
+        self._seg_crc = crc32c.crc32c(mv, self._seg_crc)
         try:
             n = self._raw.write(mv)
         except Exception as e:
@@ -100,7 +126,8 @@ class _HashingStream(io.RawIOBase):
         return n
 
     def tell(self) -> int:
-        return self._raw.tell()
+        self._cut()
+        return self.size
 
     def fileno(self) -> int:
         return self._raw.fileno()
@@ -133,11 +160,12 @@ def _without_zip_crc32() -> Any:
 
 
 class _HashingFileSystem:
-    """Wraps a DCP ``FileSystemBase``; records (size, crc32c) of every file it writes."""
+    """Wraps a DCP ``FileSystemBase``; records (size, crc32c) and the segments of every file it writes."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.records: dict[str, tuple[int, int]] = {}
+        self.segments: dict[str, list[tuple[int, int, int]]] = {}
         self.last_error: Optional[BaseException] = None
 
     def __getattr__(self, name: str) -> Any:
@@ -154,7 +182,9 @@ class _HashingFileSystem:
             hashing = _HashingStream(stream, self)
             with _without_zip_crc32():
                 yield hashing
-        self.records[os.path.basename(os.fspath(path))] = (hashing.size, hashing.crc)
+        name = os.path.basename(os.fspath(path))
+        self.records[name] = (hashing.size, hashing.crc)
+        self.segments[name] = hashing.segments
 
 
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT}
@@ -239,8 +269,14 @@ class _CommitMixin:
             fp_thread.join()
         if fp_error:
             raise fp_error[0]
-        files = {name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)}
-        part = json.dumps({"prefix": prefix, "files": files, "fingerprint": sums}).encode()
+        part = Sidecar(
+            prefix=prefix,
+            files={name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)},
+            fingerprint=sums,
+            items=self._item_checksums(fut.value()),
+            checkpoint_id=self._manifest_fields["checkpoint_id"],
+            step=self._manifest_fields["step"],
+        ).to_json()
 
         def write_part() -> None:
             with self.fs.create_stream(self.fs.concat_path(self.path, sidecar_name(prefix)), "wb") as stream:
@@ -252,21 +288,40 @@ class _CommitMixin:
         with_retries(write_part, f"writing {sidecar_name(prefix)}", self._retries, self._backoff_s)
         return fut
 
+    def _item_checksums(self, results: list) -> dict[ItemKey, int]:
+        """The CRC32C of every item this rank wrote, from the segments its streams recorded."""
+        out: dict[ItemKey, int] = {}
+        for result in results:
+            info = result.storage_data
+            name = os.path.basename(str(info.relative_path))
+            segments = {offset: (length, crc) for offset, length, crc in self.fs.segments.get(name, ())}
+            seg = segments.get(info.offset)
+            if seg is None or seg[0] != info.length:
+                raise RuntimeError(
+                    f"cannot attribute a checksum to {name} bytes {info.offset}+{info.length}: this torch "
+                    "version writes DCP items in a way ckpt does not know; please report it")
+            out[(name, info.offset, info.length)] = seg[1]
+        return out
+
     def finish(self, metadata: Metadata, results: list) -> None:
         fs, root = get_fs(self._storage_url, **self._storage_options)
         files: dict[str, FileEntry] = {}
         parts = []
-        for i in range(len(results)):
-            name = sidecar_name(f"__{i}_")
-            path = join(root, name)
-            if not fs.exists(path):
-                continue
-            raw = fs.cat_file(path)
-            body = json.loads(raw)
+        names = [sidecar_name(f"__{i}_") for i in range(len(results))]
+        for name, raw in zip(names, read_many(fs, [join(root, n) for n in names])):
+            if not isinstance(raw, bytes):
+                raise OSError(errno.EIO, f"{join(self._storage_url, name)} could not be read back before the "
+                                         f"commit: {raw!r}")
+            try:
+                side = parse_sidecar(raw, name)
+            except SidecarError as e:
+                raise OSError(errno.EIO, f"{name} was written unreadable: {e}") from None
+            if side.checkpoint_id != self._manifest_fields["checkpoint_id"]:
+                raise OSError(errno.EIO, f"{name} belongs to another save ({side.checkpoint_id}); two jobs may be "
+                                         f"writing step {self._manifest_fields['step']} under one root")
             files[name] = FileEntry(len(raw), crc32c.crc32c(raw))
-            for fname, (size, crc) in body["files"].items():
-                files[fname] = FileEntry(int(size), int(crc))
-            parts.append({k: tuple(v) for k, v in body["fingerprint"].items()})
+            files.update({f: FileEntry(size, crc) for f, (size, crc) in side.files.items()})
+            parts.append(side.fingerprint)
         with_retries(lambda: super(_CommitMixin, self).finish(metadata, results),  # type: ignore[misc]
                      "writing .metadata", self._retries, self._backoff_s)
         size, crc = self.fs.records[f"{DCP_METADATA_NAME}.tmp"]
@@ -314,74 +369,77 @@ def _local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
 
 
-_SAFE_METADATA_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-_SAFE_METADATA_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-    "torch.distributed.checkpoint._extension",
-)
+ITEM_BUFFER_LIMIT = 64 << 20
+"""Items up to this size are read from remote storage once, into memory, and checked there; larger
+items (and every item on local disk, where the second read comes from the page cache) are checked by a
+chunked pass before DCP reads them."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only DCP's own metadata classes and torch enums."""
+class _SafeReaderMixin:
+    """``.metadata`` through the allowlist unpickler; with a verifier, every item checked before it is read."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_SAFE_METADATA_MODULES) or (module, name) in _SAFE_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return super().find_class(module, name)
-        if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "getattr"):
-            if name == "getattr":
-                raise pickle.UnpicklingError("refusing builtins.getattr in checkpoint metadata")
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"refusing to unpickle {module}.{name} from checkpoint metadata: only DCP metadata types are allowed"
-        )
+    verifier: Optional[CheckpointVerifier] = None
+    _buffer_items = False
 
-
-class _SafeMetadataMixin:
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        if self.verifier is not None and kwargs.get("rank") is None:
+            data = self.verifier.checked_bytes(DCP_METADATA_NAME)
+        else:
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+        metadata = load_dcp_metadata(data, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        verifier = self.verifier
+        if verifier is None:
+            return super()._slice_file(file, sinfo)  # type: ignore[misc]
+        name = os.path.basename(str(sinfo.relative_path))
+        if self._buffer_items and sinfo.length <= ITEM_BUFFER_LIMIT and verifier.manifest.version >= 2:
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            verifier.verify_bytes(name, sinfo.offset, sinfo.length, data)
+            return io.BytesIO(data)
+        verifier.verify_item(file, name, sinfo.offset, sinfo.length)
+        return super()._slice_file(file, sinfo)  # type: ignore[misc]
 
-class SafeLocalReader(_SafeMetadataMixin, FileSystemReader):
+
+class SafeLocalReader(_SafeReaderMixin, FileSystemReader):
     pass
 
 
-class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
-    pass
+class SafeFsspecReader(_SafeReaderMixin, FsspecReader):
+    _buffer_items = True
 
 
-def make_reader(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> Any:
-    fs, _ = get_fs(path, **dict(storage_options or {}))
-    if is_local(fs):
-        return SafeLocalReader(_local_path(path))
-    return SafeFsspecReader(path, **dict(storage_options or {}))
+def make_reader(path: str, storage_options: Optional[Mapping[str, Any]] = None,
+                manifest: Optional[Manifest] = None) -> Any:
+    """A safe DCP reader for checkpoint ``path``; with its ``manifest``, one that verifies what it reads."""
+    opts = dict(storage_options or {})
+    fs, dir_path = get_fs(path, **opts)
+    reader = SafeLocalReader(_local_path(path)) if is_local(fs) else SafeFsspecReader(path, **opts)
+    if manifest is not None:
+        reader.verifier = verifier_for(path, manifest, opts)
+    return reader
 
 
-def read_metadata(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> Metadata:
-    """DCP metadata of a checkpoint directory, read with the restricted unpickler."""
-    return make_reader(path, storage_options).read_metadata()
+def verifier_for(path: str, manifest: Manifest, storage_options: Optional[Mapping[str, Any]] = None,
+                 ) -> CheckpointVerifier:
+    """A ``CheckpointVerifier`` reading the small files of checkpoint ``path`` through fsspec."""
+    fs, dir_path = get_fs(path, **dict(storage_options or {}))
+    return CheckpointVerifier(manifest, lambda name: fs.cat_file(join(dir_path, name)), path)
+
+
+def read_metadata(path: str, storage_options: Optional[Mapping[str, Any]] = None,
+                  manifest: Optional[Manifest] = None) -> Metadata:
+    """DCP metadata of a checkpoint directory, read with the allowlist unpickler (checked against ``manifest``)."""
+    return make_reader(path, storage_options, manifest).read_metadata()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

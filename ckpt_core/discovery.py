@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from pickle import UnpicklingError
 from typing import Callable, Optional, Sequence
 
-import crc32c
-
+from .crc_combine import crc32c_combine
+from .integrity import IntegrityError, crc_of_range
 from .manifest import Manifest, ManifestError, parse_manifest
 from .records import CheckpointRecord
-from .storage import MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
+from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
 
 log = logging.getLogger("ckpt_core")
 
@@ -21,11 +22,12 @@ def read_manifest(fs, path: str) -> Manifest:
     return parse_manifest(fs.cat_file(join(path, MANIFEST_NAME)))
 
 
-def record_from(path: str, step: int, manifest: Optional[Manifest], problem: Optional[str] = None) -> CheckpointRecord:
+def record_from(path: str, step: int, manifest: Optional[Manifest], problem: Optional[str] = None,
+                label: Optional[int] = None) -> CheckpointRecord:
     if manifest is None:
-        return CheckpointRecord(step=step, path=path, committed=False, problem=problem)
+        return CheckpointRecord(step=step, path=path, committed=False, problem=problem, label=label)
     return CheckpointRecord(
-        step=step,
+        step=manifest.step,
         path=path,
         committed=True,
         permanent=manifest.permanent,
@@ -36,28 +38,39 @@ def record_from(path: str, step: int, manifest: Optional[Manifest], problem: Opt
         epoch=manifest.epoch,
         total_bytes=manifest.total_bytes,
         num_files=len(manifest.files),
+        checkpoint_id=manifest.checkpoint_id,
+        label=label,
     )
 
 
+def record_at(fs, path: str, fs_path: str, label: Optional[int] = None) -> CheckpointRecord:
+    """The record of the checkpoint directory at ``path`` (``fs_path`` inside ``fs``), whatever its name."""
+    step = label if label is not None else -1
+    try:
+        return record_from(path, step, read_manifest(fs, fs_path), label=label)
+    except FileNotFoundError:
+        return record_from(path, step, None, "no manifest.json (in progress or torn)", label)
+    except ManifestError as e:
+        return record_from(path, step, None, f"unusable manifest.json: {e}", label)
+    except OSError as e:
+        return record_from(path, step, None, f"manifest.json cannot be read: {type(e).__name__}: {e}", label)
+
+
 def list_records(root: str, storage_options: Optional[dict] = None) -> list[CheckpointRecord]:
-    """Every ``step_<N>`` directory under ``root``, oldest first, committed or not."""
+    """Every checkpoint directory under ``root`` (``step_<N>``, ``checkpoint_<N>``), oldest first, committed or not.
+
+    The one discovery rule that ``ckpt ls``, retention, ``ckpt prune`` and
+    restore share. A committed checkpoint's step is its manifest's.
+    """
     fs, root_path = get_fs(root, **(storage_options or {}))
     records = []
     for entry in list_dir(fs, root_path):
-        if entry.get("type") != "directory":
+        label = parse_step_dirname(entry["name"])
+        if label is None or entry.get("type") != "directory":
             continue
-        step = parse_step_dirname(entry["name"])
-        if step is None:
-            continue
-        path = join(root.rstrip("/"), basename(entry["name"]))
-        try:
-            manifest = read_manifest(fs, join(root_path, basename(entry["name"])))
-            records.append(record_from(path, step, manifest))
-        except FileNotFoundError:
-            records.append(record_from(path, step, None, "no manifest.json (in progress or torn)"))
-        except ManifestError as e:
-            records.append(record_from(path, step, None, f"unusable manifest.json: {e}"))
-    return sorted(records, key=lambda r: r.step)
+        name = basename(entry["name"])
+        records.append(record_at(fs, join(root.rstrip("/"), name), join(root_path, name), label))
+    return sorted(records, key=lambda r: (r.step, r.path))
 
 
 def validate(
@@ -69,31 +82,68 @@ def validate(
 ) -> Optional[str]:
     """Why checkpoint ``path`` is not loadable, or None when it checks out at ``level``.
 
-    ``size`` compares every file's size with the manifest (one listing);
-    ``checksum`` also reads every file and compares its CRC32C.
+    ``size``: every file is present with its manifest size (one listing);
+    ``.metadata`` and every rank's sidecar match their checksums, the sidecars
+    name this checkpoint's id and step, and ``.metadata`` unpickles under the
+    allowlist. ``checksum`` also reads every byte of every file: whole-file
+    CRC32Cs, and each DCP item against the checksum its writer recorded.
+    Loading checks each item it reads at any level but ``none``.
     """
     if level not in VERIFY_LEVELS:
         raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {level!r}")
     if level == "none":
         return None
     fs, dir_path = get_fs(path, **(storage_options or {}))
-    present = {basename(e["name"]): int(e.get("size") or 0) for e in list_dir(fs, dir_path)}
+    present = {basename(e["name"]): e.get("size") for e in list_dir(fs, dir_path)}
     for name, entry in sorted(manifest.files.items()):
         if name not in present:
             return f"{name} is missing"
-        if present[name] != entry.size:
+        if present[name] is not None and int(present[name]) != entry.size:
             return f"{name} has {present[name]} bytes, the manifest says {entry.size}"
-    if level == "checksum":
-        for name, entry in sorted(manifest.files.items()):
-            crc = 0
-            with fs.open(join(dir_path, name), "rb") as f:
-                while chunk := f.read(8 << 20):
-                    crc = crc32c.crc32c(chunk, crc)
-                    if progress is not None:
-                        progress(len(chunk))
-            if entry.crc32c is not None and crc != entry.crc32c:
-                return f"{name} fails its checksum (crc32c {crc:#010x}, the manifest says {entry.crc32c:#010x})"
+    try:
+        _check_structure(path, manifest, storage_options)
+        if level == "checksum":
+            _check_every_byte(fs, dir_path, manifest, path, storage_options, progress)
+    except (IntegrityError, UnpicklingError, OSError) as e:
+        return str(e) if isinstance(e, IntegrityError) else f"{type(e).__name__}: {e}"
     return None
+
+
+def _check_structure(path: str, manifest: Manifest, storage_options: Optional[dict]) -> None:
+    from .dcp_io import verifier_for
+    from .safe_pickle import load_dcp_metadata
+
+    verifier = verifier_for(path, manifest, storage_options)
+    verifier.sidecars()
+    load_dcp_metadata(verifier.checked_bytes(DCP_METADATA_NAME), f"{path}/{DCP_METADATA_NAME}")
+
+
+def _check_every_byte(fs, dir_path: str, manifest: Manifest, path: str, storage_options: Optional[dict],
+                      progress: Optional[Callable[[int], None]]) -> None:
+    """One pass over every file: each item against its own checksum, each file against the manifest's."""
+    from .dcp_io import verifier_for
+
+    verifier = verifier_for(path, manifest, storage_options)
+    items: dict[str, list[tuple[int, int]]] = {}
+    for side in verifier.sidecars():
+        for name, offset, length in side.items:
+            items.setdefault(name, []).append((offset, length))
+    for name, entry in sorted(manifest.files.items()):
+        ranges = sorted(items.get(name, ())) or [(0, entry.size)]
+        with fs.open(join(dir_path, name), "rb") as f:
+            crc, end = 0, 0
+            for offset, length in ranges:
+                if offset != end:
+                    raise IntegrityError(f"{name} bytes {end}..{offset} belong to no item its writer recorded")
+                part = crc_of_range(f, offset, length, progress)
+                if name in items and part != verifier.expected_item_crc(name, offset, length):
+                    raise IntegrityError(f"{name} bytes {offset}..{offset + length} fail their checksum")
+                crc, end = crc32c_combine(crc, part, length), offset + length
+        if end != entry.size:
+            raise IntegrityError(f"{name} bytes {end}..{entry.size} belong to no item its writer recorded")
+        if entry.crc32c is not None and crc != entry.crc32c:
+            raise IntegrityError(f"{name} fails its checksum (crc32c {crc:#010x}, the manifest says "
+                                 f"{entry.crc32c:#010x})")
 
 
 def choose_for_restore(
@@ -108,5 +158,10 @@ def choose_for_restore(
     """
     committed = [r for r in records if r.committed]
     if step is not None:
-        return [r for r in committed if r.step == step]
-    return sorted((r for r in committed if r.healthy), key=lambda r: r.step, reverse=True)
+        return sorted((r for r in committed if r.step == step), key=_preference)
+    return sorted((r for r in committed if r.healthy), key=lambda r: (-r.step, _preference(r)))
+
+
+def _preference(r: CheckpointRecord) -> tuple:
+    """Among checkpoints of one step, the one whose directory is named for its step first, then by path."""
+    return (r.label != r.step, r.path)

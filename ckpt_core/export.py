@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .dcp_io import SafeLoadPlanner, make_reader, read_metadata
 from .discovery import read_manifest, validate
-from .manifest import ManifestError
+from .errors import describe, is_fatal
+from .manifest import Manifest, ManifestError
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join
 
 log = logging.getLogger("ckpt_core")
 
-__all__ = ["DTYPES", "FORMATS", "ExportError", "ExportResult", "export_model", "model_tensor_metadata"]
+__all__ = ["DTYPES", "FORMATS", "ExportError", "ExportResult", "InvalidCheckpointError", "export_model",
+           "model_tensor_metadata"]
 
 MODEL_PREFIX = "model."
 FORMATS = ("safetensors", "torch")
@@ -49,6 +51,10 @@ DEFAULT_BATCH_BYTES = 1 << 30
 
 class ExportError(ValueError):
     """The checkpoint cannot be exported (not a checkpoint, no model weights, bad option)."""
+
+
+class InvalidCheckpointError(ExportError):
+    """The checkpoint exists but fails verification or cannot be read (corrupt, tampered, unsafe)."""
 
 
 @dataclass
@@ -110,8 +116,9 @@ def _batches(tensors: dict[str, TensorStorageMetadata], budget: int) -> list[lis
     return out
 
 
-def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool, storage_options: dict) -> Optional[int]:
-    """The step of checkpoint ``path`` after checking it is one (and valid at ``verify``)."""
+def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool,
+                      storage_options: dict) -> Optional[Manifest]:
+    """The manifest of checkpoint ``path`` after checking it is one (and valid at ``verify``)."""
     fs, dir_path = get_fs(path, **storage_options)
     if not fs.exists(join(dir_path, DCP_METADATA_NAME)):
         what = "a checkpoint directory" if fs.isdir(dir_path) else "an existing directory"
@@ -126,12 +133,12 @@ def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool, storage_o
         return None
     except ManifestError as e:
         if not allow_uncommitted:
-            raise ExportError(f"{path} has an unusable {MANIFEST_NAME}: {e}") from None
+            raise InvalidCheckpointError(f"{path} has an unusable {MANIFEST_NAME}: {e}") from None
         return None
     problem = validate(path, manifest, verify, storage_options)
     if problem is not None:
-        raise ExportError(f"{path} failed verification ({verify}): {problem}")
-    return manifest.step
+        raise InvalidCheckpointError(f"{path} failed verification ({verify}): {problem}")
+    return manifest
 
 
 def export_model(
@@ -178,8 +185,15 @@ def export_model(
             raise ExportError("format 'safetensors' needs the safetensors package: pip install 'ckpt[export]' "
                               "(or export with format='torch')") from None
     opts = dict(storage_options or {})
-    step = _check_checkpoint(path, verify, allow_uncommitted, opts)
-    metadata = read_metadata(path, opts)
+    manifest = _check_checkpoint(path, verify, allow_uncommitted, opts)
+    step = None if manifest is None else manifest.step
+    checked = manifest if verify != "none" else None
+    try:
+        metadata = read_metadata(path, opts, checked)
+    except BaseException as e:  # noqa: BLE001 - an unreadable or unsafe .metadata: one clear error
+        if is_fatal(e):
+            raise
+        raise InvalidCheckpointError(f"{path}: {DCP_METADATA_NAME} cannot be read: {describe(e)}") from None
     tensors, skipped = model_tensor_metadata(metadata)
     if not tensors:
         raise ExportError(f"{path} holds no model weights: no tensors under '{MODEL_PREFIX}' in its DCP metadata")
@@ -196,9 +210,7 @@ def export_model(
             buffers = {
                 fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in batch
             }
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(buffers, storage_reader=make_reader(path, opts), planner=SafeLoadPlanner(), no_dist=True)
+            _load_batch(buffers, path, opts, checked)
             loaded = 0
             for fqn in batch:
                 t = buffers.pop(fqn)
@@ -228,6 +240,19 @@ def export_model(
         dtype=None if target is None else str(target).replace("torch.", ""),
         skipped=skipped,
     )
+
+
+def _load_batch(buffers: dict[str, torch.Tensor], path: str, opts: dict, manifest: Optional[Manifest]) -> None:
+    """Fill ``buffers`` from checkpoint ``path`` (every item checked against ``manifest`` when given)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(buffers, storage_reader=make_reader(path, opts, manifest), planner=SafeLoadPlanner(),
+                     no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if is_fatal(e):
+            raise
+        raise InvalidCheckpointError(f"{path} cannot be read: {describe(e)}") from None
 
 
 def _write(weights: dict[str, torch.Tensor], out: str, format: str, metadata: dict[str, str],  # noqa: A002

@@ -15,6 +15,7 @@ import atexit
 import json
 import logging
 import time
+import uuid
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,17 +32,35 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from . import fingerprint as fp
 from .dcp_io import SafeLoadPlanner, make_reader, make_writer
-from .discovery import choose_for_restore, list_records, read_manifest, validate
-from .manifest import ManifestError
+from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
+from .errors import describe, is_fatal
+from .manifest import Manifest, ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
 from .records import CheckpointInfo
-from .retention import build_policy, mark_permanent, steps_to_delete
+from .retention import build_policy, mark_permanent, records_to_delete
+from .roots import check_root
 from .schedule import SaveSchedule
 from .settings import CheckpointSettings
 from .state import StateMismatchError, TrainState
 from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
+from .strict_json import as_float, as_int, loads_object
 
 LOSSES_NAME = "first_losses.json"
+
+
+def parse_losses(text: bytes) -> dict[int, float]:
+    """The losses recorded after a save (``first_losses.json``): ``{step: loss}``, or ``ValueError``."""
+    body = loads_object(text, LOSSES_NAME, ValueError)
+    losses = body.get("losses")
+    if not isinstance(losses, list):
+        raise ValueError(f"{LOSSES_NAME} has no list of losses")
+    out = {}
+    for entry in losses:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ValueError(f"{LOSSES_NAME} entries must be [step, loss]")
+        step = as_int(entry[0], ValueError)
+        out[step] = as_float(entry[1], ValueError, finite=False)
+    return out
 
 log = logging.getLogger("ckpt_core")
 
@@ -57,21 +76,9 @@ class SaveError(RuntimeError):
     """A checkpoint save failed; ``step`` names it and ``__cause__`` says why."""
 
     def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(f"checkpoint save at step {step} failed: {_describe(cause)}")
+        super().__init__(f"checkpoint save at step {step} failed: {describe(cause)}")
         self.step = step
         self.__cause__ = cause
-
-
-def _describe(exc: BaseException) -> str:
-    """One line naming the root cause, unwrapping DCP's per-rank CheckpointException."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, err in sorted(failures.items()):
-            inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exc", err)
-            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
 
 
 class RestoreError(RuntimeError):
@@ -115,6 +122,11 @@ class _InFlight:
     stats: SaveStats
     t_dispatch: float
     t_done: Optional[float] = None
+
+
+def _saves(s: CheckpointSettings) -> bool:
+    """Whether a manager with these settings saves by itself (so its root must be writable from the start)."""
+    return any(v is not None for v in (s.every_n_steps, s.every_seconds, s.interval))
 
 
 def _dist_on() -> bool:
@@ -171,7 +183,7 @@ class CheckpointManager:
             settings = settings.replace(**({"dirpath": str(root)} if root is not None else {}), **kwargs)
         self.settings = s = settings
         self.root = s.dirpath.rstrip("/") if s.dirpath not in ("/",) else s.dirpath
-        self.fs, self._root_path = get_fs(self.root, **s.storage_options)
+        self.fs, self._root_path = check_root(self.root, s.storage_options, saving=_saves(s))
         self._metrics_callbacks = list(metrics_callbacks)
         self.rank = dist.get_rank() if _dist_on() else 0
         self.world_size = dist.get_world_size() if _dist_on() else 1
@@ -220,6 +232,7 @@ class CheckpointManager:
         self._n_saves = 0
         self._closed = False
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
+        self._run_id: str = self._broadcast(uuid.uuid4().hex if self.rank == 0 else None)
         self._loss_window: Optional[tuple[int, list]] = None
         self._expected_losses: dict[int, float] = {}
         self.resume_check_failures: list[str] = []
@@ -283,6 +296,7 @@ class CheckpointManager:
             return False
         path = join(self.root, step_dirname(step))
         fields = {
+            "checkpoint_id": new_checkpoint_id(self._run_id, step),
             "step": step,
             "epoch": state.epoch,
             "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
@@ -295,32 +309,15 @@ class CheckpointManager:
         planner = DefaultSavePlanner(enable_plan_caching=True)
         mode = self._mode_for(state)
         t0 = time.monotonic()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            if mode == "off":
-                try:
-                    dcp.save(state.state_dict(), storage_writer=writer, planner=planner, process_group=self._pg)
-                except Exception as e:  # noqa: BLE001
-                    t1 = time.monotonic()
-                    self._n_saves += 1
-                    self._save_failed(SaveError(step, e))
-                    return False
-                t1 = time.monotonic()
-                fut: Future = Future()
-                fut.set_result(None)
-            else:
-                fut = dcp.async_save(
-                    state.state_dict(),
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=self._pg,
-                    async_checkpointer_type=(
-                        AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
-                    ),
-                    async_stager=self._stager,
-                )
-                t1 = time.monotonic()
+        try:
+            fut = self._dispatch(mode, state, writer, planner)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if is_fatal(e):
+                raise
+            self._n_saves += 1
+            self._save_failed(SaveError(step, e))
+            return False
+        t1 = time.monotonic()
         stats = SaveStats(step=step, blocking_s=t1 - t0, first=self._n_saves == 0,
                           interval_s=self.schedule.interval_s)
         self._n_saves += 1
@@ -339,6 +336,27 @@ class CheckpointManager:
         if mode == "off":
             self._poll(block=True)
         return True
+
+    def _dispatch(self, mode: str, state: TrainState, writer: Any, planner: Any) -> Future:
+        """Run the save synchronously (``off``) or hand it to DCP's async machinery; a future either way."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if mode == "off":
+                dcp.save(state.state_dict(), storage_writer=writer, planner=planner, process_group=self._pg)
+                fut: Future = Future()
+                fut.set_result(None)
+                return fut
+            return dcp.async_save(
+                state.state_dict(),
+                storage_writer=writer,
+                planner=planner,
+                process_group=self._pg,
+                async_checkpointer_type=(
+                    AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+                ),
+                async_stager=self._stager,
+            )
 
     def _mode_for(self, state: TrainState) -> str:
         mode = self.settings.async_mode
@@ -406,12 +424,14 @@ class CheckpointManager:
                 protected.add(self.resumed_from)
             if self._inflight is not None:
                 protected.add(self._inflight.step)
-            for step in steps_to_delete(records, self.policy, protected):
-                remove_tree(self.fs, join(self._root_path, step_dirname(step)))
-                stats.deleted.append(step)
+            for rec in records_to_delete(records, self.policy, protected):
+                remove_tree(self.fs, get_fs(rec.path, **self.settings.storage_options)[1])
+                stats.deleted.append(rec.step)
             if stats.deleted:
                 log.info("ckpt_core: retention deleted steps %s", stats.deleted)
-        except Exception as e:  # noqa: BLE001 - retention must never break training
+        except BaseException as e:  # noqa: BLE001 - retention must never break training
+            if is_fatal(e):
+                raise
             log.warning("ckpt_core: retention failed: %s", e)
         self._report(stats)
 
@@ -474,9 +494,9 @@ class CheckpointManager:
         if self.rank != 0 or self.settings.resume_check == "off" or rec.world_size != self.world_size:
             return
         try:
-            body = json.loads(self.fs.cat_file(join(self._root_path, step_dirname(rec.step), LOSSES_NAME)))
-            self._expected_losses = {int(st): float(lo) for st, lo in body["losses"]}
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
+            self._expected_losses = parse_losses(fs.cat_file(join(fs_path, LOSSES_NAME)))
+        except (OSError, ValueError):
             return
 
     def add_metrics_callback(self, cb: Callable[[SaveStats], None]) -> None:
@@ -544,23 +564,25 @@ class CheckpointManager:
             return None
         return self.restore(state, step=self.settings.resume_step)
 
-    def restore(self, state: TrainState, step: Optional[int] = None, *,
+    def restore(self, state: TrainState, step: Optional[int] = None, *, path: Optional[str] = None,
                 set_aside_newer: bool = True) -> Optional[CheckpointInfo]:
-        """Restore the newest valid checkpoint (or exactly ``step``) into ``state``.
+        """Restore the newest valid checkpoint (or exactly ``step``, or the directory ``path``) into ``state``.
 
         Returns the restored checkpoint, or None when the root holds none (start
-        fresh). Corrupt or incomplete checkpoints are skipped with a warning
-        naming them; nothing is applied until a whole checkpoint loaded and its
-        fingerprint matched. Restoring an explicit ``step`` is a rollback: newer
-        checkpoints are moved to ``rolled_back/`` unless ``set_aside_newer=False``
-        (loading from a root this run does not own, e.g. to start from another
-        run's checkpoint).
+        fresh). Corrupt, tampered or incomplete checkpoints are skipped with a
+        warning naming them and the reason; nothing is applied until a whole
+        checkpoint loaded, every item read matched its checksum and the
+        fingerprint matched. Restoring an explicit ``step`` (or a ``path`` under
+        this root) is a rollback: newer checkpoints are moved to
+        ``rolled_back/`` unless ``set_aside_newer=False``. ``path`` may be any
+        checkpoint directory, whatever its name, also under another root.
         """
         self._check_open()
         t0 = time.monotonic()
         self.last_restore_timings = {}
-        candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
-        if step is not None and not candidates:
+        explicit = step is not None or path is not None
+        candidates = self._broadcast(self._candidates(step, path) if self.rank == 0 else None)
+        if explicit and not candidates:
             raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
         for rec in candidates:
             problem = self._broadcast(self._problem(rec) if self.rank == 0 else None)
@@ -571,17 +593,12 @@ class CheckpointManager:
                 except _Unloadable as e:
                     problem = str(e)
             if problem is None:
-                self.resumed_from = rec.step
-                self._committed.add(rec.step)
-                self._last_save_time = time.monotonic()
-                self._load_expected_losses(rec)
-                if step is not None and set_aside_newer:
-                    self._set_aside_newer(step)
+                self._restored(rec, set_aside_newer and explicit and self._owns(rec))
                 log.info("ckpt_core: restored step %d from %s in %.2fs %s", rec.step, rec.path,
                          time.monotonic() - t0, self.last_restore_timings)
                 return rec
             msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
-            if step is not None:
+            if explicit:
                 raise RestoreError(msg)
             if self.rank == 0:
                 warnings.warn(msg + "; falling back to an older checkpoint", stacklevel=2)
@@ -591,6 +608,19 @@ class CheckpointManager:
                                f"{[r.step for r in candidates]}); see the warnings above")
         return None
 
+    def _restored(self, rec: CheckpointInfo, set_aside: bool) -> None:
+        self.resumed_from = rec.step
+        self._committed.add(rec.step)
+        self._last_save_time = time.monotonic()
+        self._load_expected_losses(rec)
+        if set_aside:
+            self._set_aside_newer(rec.step)
+
+    def _owns(self, rec: CheckpointInfo) -> bool:
+        """Whether ``rec`` lies directly under this manager's root (a rollback may then move newer ones aside)."""
+        _, rec_path = get_fs(rec.path, **self.settings.storage_options)
+        return rec_path.rstrip("/").rsplit("/", 1)[0] == self._root_path.rstrip("/")
+
     def _set_aside_newer(self, step: int) -> None:
         """After a rollback to ``step``, move newer checkpoints to ``rolled_back/<time>/`` (never delete them)."""
         if self.rank == 0:
@@ -599,8 +629,8 @@ class CheckpointManager:
                 dest = join(self._root_path, "rolled_back", time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
                 self.fs.makedirs(dest, exist_ok=True)
                 for r in newer:
-                    self.fs.mv(join(self._root_path, step_dirname(r.step)),
-                               join(dest, step_dirname(r.step)), recursive=True)
+                    src = get_fs(r.path, **self.settings.storage_options)[1]
+                    self.fs.mv(src, join(dest, src.rstrip("/").rsplit("/", 1)[-1]), recursive=True)
                     self._committed.discard(r.step)
                 log.warning("ckpt_core: rolled back to step %d; moved newer checkpoints %s to %s",
                             step, [r.step for r in newer], dest)
@@ -608,7 +638,10 @@ class CheckpointManager:
         if self._pg is not None:
             dist.barrier(group=self._pg)
 
-    def _candidates(self, step: Optional[int]) -> list[CheckpointInfo]:
+    def _candidates(self, step: Optional[int], path: Optional[str] = None) -> list[CheckpointInfo]:
+        if path is not None:
+            fs, fs_path = get_fs(path, **self.settings.storage_options)
+            return [record_at(fs, path.rstrip("/"), fs_path)]
         records = self.list()
         self._committed |= {r.step for r in records if r.committed}
         chosen = choose_for_restore(records, step)
@@ -624,12 +657,25 @@ class CheckpointManager:
                     log.info("ckpt_core: ignoring %s (step %d): %s", r.path, r.step, r.problem)
         return chosen
 
+    def _read_manifest(self, rec: CheckpointInfo) -> Manifest:
+        fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
+        return read_manifest(fs, fs_path)
+
     def _problem(self, rec: CheckpointInfo) -> Optional[str]:
+        if not rec.committed:
+            return rec.problem or "not committed"
         try:
-            manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
+            manifest = self._read_manifest(rec)
         except (FileNotFoundError, ManifestError) as e:
             return f"manifest: {e}"
-        return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options)
+        if (manifest.step, manifest.checkpoint_id) != (rec.step, rec.checkpoint_id):
+            return "its manifest changed while it was being restored"
+        try:
+            return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options)
+        except BaseException as e:  # noqa: BLE001 - any failure to check it means: fall back
+            if is_fatal(e):
+                raise
+            return f"cannot be checked: {describe(e)}"
 
     def _broadcast(self, obj: Any) -> Any:
         if not _dist_on() or dist.get_world_size() == 1:
@@ -638,27 +684,60 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
 
+    def _agree(self, problem: Optional[tuple[str, str]]) -> Optional[tuple[str, str]]:
+        """The first rank's ``(kind, message)`` problem, on every rank (so every rank takes the same branch)."""
+        if not _dist_on() or dist.get_world_size() == 1:
+            return problem
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem, group=self._pg)
+        for rank, p in enumerate(found):
+            if p is not None:
+                return (p[0], p[1] if rank == self.rank else f"rank {rank}: {p[1]}")
+        return None
+
+    def _prepare_load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Any, Manifest, dict, dict]:
+        """Every rank: read and check the manifest and ``.metadata``, build fresh buffers; agree on problems."""
+        opts = self.settings.storage_options
+        problem = None
+        try:
+            manifest = self._read_manifest(rec)
+            reader = make_reader(rec.path, opts, manifest if self.settings.verify != "none" else None)
+            metadata = reader.read_metadata()
+            _check_world_size(manifest, metadata)
+            template, wanted = state.load_template(metadata, manifest.world_size)
+        except StateMismatchError as e:
+            problem = ("mismatch", str(e))
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException: fall back on it too
+            if is_fatal(e):
+                raise
+            problem = ("unloadable", f"{describe(e)}")
+        agreed = self._agree(problem)
+        if agreed is not None:
+            kind, msg = agreed
+            raise StateMismatchError(msg) if kind == "mismatch" else _Unloadable(msg)
+        return reader, manifest, template, wanted
+
     def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         t0 = time.monotonic()
-        manifest = read_manifest(self.fs, join(self._root_path, step_dirname(rec.step)))
-        opts = self.settings.storage_options
-        reader = make_reader(rec.path, opts)
+        reader, manifest, template, wanted = self._prepare_load(rec, state)
         try:
-            metadata = reader.read_metadata()
-            template, wanted = state.load_template(metadata, manifest.world_size)
-            reader = make_reader(rec.path, opts)
             dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
-        except StateMismatchError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any load failure means: fall back
-            raise _Unloadable(f"loading failed: {type(e).__name__}: {e}") from e
+        except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
+            if is_fatal(e):
+                raise
+            raise _Unloadable(f"loading failed: {describe(e)}") from e
         t1 = time.monotonic()
         flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
         diffs = fp.compare(manifest.fingerprint, fp.global_entries(flat, self._pg))
         if diffs:
             raise _Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
+        try:
+            saved = state.saved_progress(template, wanted)
+        except ValueError as e:
+            raise _Unloadable(str(e)) from None
+        _check_progress(manifest, saved)
         t2 = time.monotonic()
         state.apply(template, wanted, manifest.world_size)
         t3 = time.monotonic()
@@ -670,6 +749,24 @@ class CheckpointManager:
             raise RestoreError(
                 f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "
                 + "; ".join(diffs[:5]))
+
+
+def _check_world_size(manifest: Manifest, metadata: Any) -> None:
+    """The manifest's world size is the number of ranks whose state the checkpoint holds."""
+    from .state import RANK_KEY
+
+    ranks = {k.split(".")[1] for k in metadata.state_dict_metadata if k.startswith(f"{RANK_KEY}.")}
+    if ranks and len(ranks) != manifest.world_size:
+        raise _Unloadable(f"the manifest says world size {manifest.world_size}, the checkpoint holds the state of "
+                          f"{len(ranks)} rank(s)")
+
+
+def _check_progress(manifest: Manifest, saved: tuple[int, int]) -> None:
+    """The restored step and epoch are the manifest's (a manifest or a shard copied from elsewhere is not)."""
+    step, epoch = saved
+    if step != manifest.step or (manifest.epoch is not None and epoch != manifest.epoch):
+        raise _Unloadable(f"the checkpoint's state is at step {step}, epoch {epoch}, its manifest says step "
+                          f"{manifest.step}, epoch {manifest.epoch}: its files do not belong together")
 
 
 def _fmt(x: Any) -> str:

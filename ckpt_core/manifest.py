@@ -9,12 +9,19 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
+from .strict_json import MAX_INT, Fields, as_float, as_int, is_safe_name, loads_object
+
 FORMAT_NAME = "ckpt_core.manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: the first format. 2: adds ``checkpoint_id``, which every rank's sidecar repeats (with per-item checksums)."""
+MAX_WORLD_SIZE = 2**31 - 1
+CHECKPOINT_ID_RE = re.compile(r"^[0-9a-f]{8,64}(-[0-9]{1,19})?$")
 
 
 class ManifestError(ValueError):
@@ -40,6 +47,7 @@ class Manifest:
     metrics: Mapping[str, float] = field(default_factory=dict)
     versions: Mapping[str, str] = field(default_factory=dict)
     contents: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint_id: Optional[str] = None
     version: int = FORMAT_VERSION
 
     @property
@@ -57,6 +65,11 @@ class Manifest:
 def is_healthy(fingerprint: Mapping[str, tuple[float, float, int]]) -> bool:
     """A state is healthy when every tensor sum is finite (no NaN/Inf anywhere)."""
     return all(math.isfinite(s) and math.isfinite(a) for s, a, _ in fingerprint.values())
+
+
+def new_checkpoint_id(run_id: Optional[str], step: int) -> str:
+    """A checkpoint's identity: the run's random id and the step (a fresh random id without a run id)."""
+    return f"{run_id or uuid.uuid4().hex}-{step}"
 
 
 def library_versions() -> dict[str, str]:
@@ -78,6 +91,7 @@ def build_manifest(
     metrics: Optional[Mapping[str, float]] = None,
     contents: Optional[Mapping[str, Any]] = None,
     wall_time: Optional[float] = None,
+    checkpoint_id: Optional[str] = None,
 ) -> Manifest:
     return Manifest(
         step=step,
@@ -91,46 +105,76 @@ def build_manifest(
         metrics={k: float(v) for k, v in (metrics or {}).items()},
         versions=library_versions(),
         contents=dict(contents or {}),
+        checkpoint_id=checkpoint_id or new_checkpoint_id(None, step),
     )
 
 
 def parse_manifest(text: str | bytes) -> Manifest:
-    """Parse and validate a manifest; raise ``ManifestError`` saying what is wrong."""
-    try:
-        body = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"manifest is not valid JSON ({e})") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+    """Parse and validate a manifest: a valid ``Manifest`` or ``ManifestError`` saying what is wrong, for any input."""
+    body = loads_object(text, "manifest", ManifestError)
+    f = Fields(body, "manifest", ManifestError)
+    if body.get("format") != FORMAT_NAME:
         raise ManifestError(f"manifest has no 'format': {FORMAT_NAME!r} field")
-    version = body.get("version")
-    if not isinstance(version, int):
-        raise ManifestError("manifest has no integer 'version'")
+    version = f.int("version", minimum=1, maximum=MAX_INT)
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"manifest version {version} is newer than this library understands "
             f"({FORMAT_VERSION}); upgrade ckpt to read it"
         )
-    try:
-        files = {
-            str(name): FileEntry(int(e["size"]), None if e.get("crc32c") is None else int(e["crc32c"]))
-            for name, e in body["files"].items()
-        }
-        fingerprint = {
-            str(k): (float(v[0]), float(v[1]), int(v[2])) for k, v in body.get("fingerprint", {}).items()
-        }
-        return Manifest(
-            step=int(body["step"]),
-            world_size=int(body["world_size"]),
-            files=files,
-            fingerprint=fingerprint,
-            epoch=None if body.get("epoch") is None else int(body["epoch"]),
-            wall_time=float(body.get("wall_time", 0.0)),
-            permanent=bool(body.get("permanent", False)),
-            healthy=bool(body.get("healthy", True)),
-            metrics={str(k): float(v) for k, v in body.get("metrics", {}).items()},
-            versions={str(k): str(v) for k, v in body.get("versions", {}).items()},
-            contents=dict(body.get("contents", {})),
-            version=version,
-        )
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise ManifestError(f"manifest does not follow the schema ({type(e).__name__}: {e})") from None
+    return Manifest(
+        step=f.int("step"),
+        world_size=f.int("world_size", minimum=1, maximum=MAX_WORLD_SIZE),
+        files=_files(f),
+        fingerprint=_fingerprint(f),
+        epoch=f.int("epoch", default=None),
+        wall_time=f.float("wall_time", minimum=0.0, default=0.0),
+        permanent=f.bool("permanent", default=False),
+        healthy=f.bool("healthy", default=True),
+        metrics=_metrics(f),
+        versions=_versions(f),
+        contents=f.object("contents", default={}),
+        checkpoint_id=f.str("checkpoint_id", CHECKPOINT_ID_RE) if version >= 2 else None,
+        version=version,
+    )
+
+
+def _files(f: Fields) -> dict[str, FileEntry]:
+    out = {}
+    for name, entry in f.object("files").items():
+        if not is_safe_name(name):
+            raise f.fail("files", f"names a file outside the checkpoint directory or with odd characters: {name!r}")
+        e = Fields(entry if isinstance(entry, dict) else {}, f"manifest file entry {name!r}", ManifestError)
+        if not isinstance(entry, dict):
+            raise e.fail("size", "is missing (the entry is not an object)")
+        out[name] = FileEntry(e.int("size"), e.int("crc32c", maximum=2**32 - 1, default=None))
+    if not out:
+        raise f.fail("files", "lists no files")
+    return out
+
+
+def _fingerprint(f: Fields) -> dict[str, tuple[float, float, int]]:
+    out = {}
+    for key, value in f.object("fingerprint", default={}).items():
+        def fail(why: str, key: str = key) -> ManifestError:
+            return f.fail("fingerprint", f"entry {key[:80]!r} {why}")
+
+        if not isinstance(value, list) or len(value) != 3:
+            raise fail("must be [sum, sum of absolute values, count]")
+        out[key] = (as_float(value[0], fail, finite=False), as_float(value[1], fail, finite=False),
+                    as_int(value[2], fail))
+    return out
+
+
+def _metrics(f: Fields) -> dict[str, float]:
+    out = {}
+    for key, value in f.object("metrics", default={}).items():
+        out[key] = as_float(value, lambda why, key=key: f.fail("metrics", f"entry {key[:80]!r} {why}"), finite=False)
+    return out
+
+
+def _versions(f: Fields) -> dict[str, str]:
+    versions = f.object("versions", default={})
+    bad = [k for k, v in versions.items() if not isinstance(v, str)]
+    if bad:
+        raise f.fail("versions", f"entry {bad[0][:80]!r} must be a string")
+    return dict(versions)

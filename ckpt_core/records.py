@@ -12,10 +12,12 @@ from typing import Mapping, Optional
 
 @dataclass(frozen=True)
 class CheckpointRecord:
-    """One ``step_<N>/`` directory under a checkpoint root.
+    """One checkpoint directory (``step_<N>/``, ``checkpoint_<N>/`` or a path given explicitly).
 
     ``committed`` means ``manifest.json`` exists and parses; an uncommitted
-    directory is an in-progress or torn save and is never loaded.
+    directory is an in-progress or torn save and is never loaded. ``step``
+    comes from the manifest; ``label`` is the number in the directory's name
+    (the step of an uncommitted directory, since it has no manifest).
     """
 
     step: int
@@ -30,6 +32,8 @@ class CheckpointRecord:
     total_bytes: int = 0
     num_files: int = 0
     problem: Optional[str] = None
+    checkpoint_id: Optional[str] = None
+    label: Optional[int] = None
 
 
 CheckpointInfo = CheckpointRecord

@@ -24,6 +24,7 @@ __all__ = [
     "KeepPermanent",
     "AnyOf",
     "build_policy",
+    "records_to_delete",
     "steps_to_delete",
     "mark_permanent",
 ]
@@ -247,21 +248,21 @@ def build_policy(
     return AnyOf(*policies)
 
 
-def steps_to_delete(
+def records_to_delete(
     records: Sequence[CheckpointRecord],
     policy: RetentionPolicy,
     protected: Iterable[int] = (),
-) -> list[int]:
-    """Return the steps whose directories should be deleted, ascending.
+) -> list[CheckpointRecord]:
+    """Return the checkpoint directories to delete, oldest first.
 
     ``records`` may include uncommitted (torn or in-progress) directories.
     Never deleted: the newest committed checkpoint, the newest committed
     healthy checkpoint, permanent ones, and ``protected`` steps (e.g. the step
     the run resumed from, or an in-flight save). Committed checkpoints the
     policy does not keep are deleted. Uncommitted directories are deleted only
-    when older than the newest committed checkpoint (crash garbage); newer ones
-    may be a save in progress and are left alone. With no committed
-    checkpoint at all, nothing is deleted.
+    when their label is older than the newest committed checkpoint (crash
+    garbage); newer ones may be a save in progress and are left alone. With no
+    committed checkpoint at all, nothing is deleted.
     """
     committed = [r for r in records if r.committed]
     if not committed:
@@ -272,14 +273,17 @@ def steps_to_delete(
     healthy = [r.step for r in committed if r.healthy]
     if healthy:
         keep.add(max(healthy))
+    doomed = [r for r in records if r.step not in keep and (r.committed or r.step < newest)]
+    return sorted(doomed, key=lambda r: (r.step, r.path))
 
-    doomed = {r.step for r in committed if r.step not in keep}
-    doomed |= {
-        r.step
-        for r in records
-        if not r.committed and r.step < newest and r.step not in keep
-    }
-    return sorted(doomed)
+
+def steps_to_delete(
+    records: Sequence[CheckpointRecord],
+    policy: RetentionPolicy,
+    protected: Iterable[int] = (),
+) -> list[int]:
+    """The steps of ``records_to_delete``, ascending and without repeats."""
+    return sorted({r.step for r in records_to_delete(records, policy, protected)})
 
 
 def mark_permanent(step: int, keep_every_n_steps: int | None) -> bool:

@@ -178,6 +178,22 @@ class TrainState(Stateful):
         template[RANK_KEY] = blobs
         return template, wanted
 
+    def saved_progress(self, loaded: Mapping[str, Any], wanted: Mapping[str, int]) -> tuple[int, int]:
+        """``(step, epoch)`` of a loaded checkpoint, after checking the shape of the small state ``apply`` uses.
+
+        Raises ``ValueError`` for a blob that does not decode (``weights_only``)
+        or lacks what ``apply`` needs, before anything is applied.
+        """
+        blobs = {}
+        for key in sorted(set(wanted.values())):
+            try:
+                blobs[key] = _from_blob(loaded[RANK_KEY][str(key)])
+            except Exception as e:  # noqa: BLE001 - an undecodable blob: the checkpoint is not loadable
+                raise ValueError(f"the state of rank {key} does not decode: {type(e).__name__}: {e}") from None
+            _check_small_state(blobs[key], key)
+        progress = blobs[wanted["zero"]]["progress"]
+        return progress["step"], progress["epoch"]
+
     def apply(self, loaded: Mapping[str, Any], wanted: Mapping[str, int], saved_world_size: int) -> None:
         """Apply a fully loaded checkpoint (from ``load_template`` buffers) to the live objects."""
         rank, world = _rank_world()
@@ -255,6 +271,25 @@ class TrainState(Stateful):
         _, world = _rank_world()
         key = int(next(iter(state_dict[RANK_KEY])))
         self.apply(state_dict, {"own": key, "zero": key}, world)
+
+
+_SMALL_STATE_TYPES = {"progress": dict, "schedulers": list, "extra": dict}
+
+
+def _check_small_state(blob: Any, rank: int) -> None:
+    """What ``small_state`` wrote: the keys and types ``apply`` relies on."""
+    if not isinstance(blob, dict):
+        raise ValueError(f"the state of rank {rank} is a {type(blob).__name__}, not a dict")
+    for key, kind in _SMALL_STATE_TYPES.items():
+        if not isinstance(blob.get(key), kind):
+            raise ValueError(f"the state of rank {rank} has no {key!r} {kind.__name__}")
+    for key in ("step", "epoch"):
+        value = blob["progress"].get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"the state of rank {rank} has no valid progress {key!r}")
+    for key in ("scaler", "data", "rng"):
+        if key not in blob:
+            raise ValueError(f"the state of rank {rank} has no {key!r} entry")
 
 
 def _as_list(x: Any) -> list[Any]:

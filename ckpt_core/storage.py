@@ -15,7 +15,9 @@ import fsspec
 from fsspec.core import url_to_fs
 
 STEP_PREFIX = "step_"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHECKPOINT_DIR_RE = re.compile(r"^(?:step|checkpoint)_([0-9]{1,19})$", re.ASCII)
+"""Directory names that discovery lists under a root: ``step_<N>`` (ours) and ``checkpoint_<N>`` (Accelerate's
+automatic naming), ASCII digits only. The number is a label; a checkpoint's step comes from its manifest."""
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
 
@@ -52,8 +54,8 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> Optional[int]:
-    """The step of a ``step_<N>`` directory name, or None for anything else."""
-    m = _STEP_RE.match(basename(name))
+    """The number in a ``step_<N>``/``checkpoint_<N>`` directory name (ASCII digits), or None for anything else."""
+    m = _CHECKPOINT_DIR_RE.match(basename(name))
     return int(m.group(1)) if m else None
 
 
@@ -85,6 +87,21 @@ def write_bytes_durable(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
             os.close(dir_fd)
     else:
         fs.pipe_file(path, data)
+
+
+def read_many(fs: fsspec.AbstractFileSystem, paths: list[str]) -> list[Any]:
+    """The bytes of each of ``paths`` (concurrently on object stores), or the exception reading it raised."""
+    if not paths:
+        return []
+    try:
+        found = fs.cat(list(paths), on_error="return")
+    except FileNotFoundError as e:
+        return [e] * len(paths)
+    out = []
+    for p in paths:
+        value = found.get(p, found.get(fs._strip_protocol(p)))
+        out.append(value if value is not None else FileNotFoundError(p))
+    return out
 
 
 def list_dir(fs: fsspec.AbstractFileSystem, path: str) -> list[dict]:

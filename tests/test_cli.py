@@ -190,7 +190,7 @@ def test_verify_flipped_byte_needs_checksum(capsys, root):
     code, out, _ = run(capsys, "verify", path)
     assert code == 0, out  # same size: the size check cannot see it
     code, out, _ = run(capsys, "verify", path, "--checksum")
-    assert code == 1 and name in out and "fails its checksum" in out
+    assert code == 1 and name in out and "fail" in out and "checksum" in out
     code, out, _ = run(capsys, "verify", root, "--checksum")
     assert code == 1 and "2 of 3" in out
 
@@ -331,7 +331,7 @@ def test_inspect_refuses_malicious_metadata(capsys, tmp_path):
 
     (Path(path) / ".metadata").write_bytes(pickle.dumps(Evil()))
     code, out, _ = run(capsys, "inspect", path)
-    assert code == 0 and "refusing to unpickle" in out
+    assert code == 1 and ".metadata has" in out and "the manifest says" in out
     assert not marker.exists()
 
 

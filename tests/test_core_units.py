@@ -74,16 +74,16 @@ def test_manifest_round_trip():
     assert back == m
     assert back.total_bytes == 15
     body = json.loads(m.to_json())
-    assert body["format"] == "ckpt_core.manifest" and body["version"] == 1
+    assert body["format"] == "ckpt_core.manifest" and body["version"] == 2
     assert set(body["versions"]) == {"torch", "ckpt", "python"}
 
 
 @pytest.mark.parametrize("text,message", [
     ("{", "not valid JSON"),
-    ("[]", "no 'format'"),
-    ('{"format": "ckpt_core.manifest"}', "no integer 'version'"),
-    ('{"format": "ckpt_core.manifest", "version": 2}', "version 2 is newer than this library understands"),
-    ('{"format": "ckpt_core.manifest", "version": 1, "step": 1}', "does not follow the schema"),
+    ("[]", "not a JSON object"),
+    ('{"format": "ckpt_core.manifest"}', "field 'version' is missing"),
+    ('{"format": "ckpt_core.manifest", "version": 3}', "version 3 is newer than this library understands"),
+    ('{"format": "ckpt_core.manifest", "version": 1, "step": 1}', "field 'world_size' is missing"),
 ])
 def test_manifest_errors_say_what_is_wrong(text, message):
     with pytest.raises(ManifestError, match=message):
