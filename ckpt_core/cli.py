@@ -196,20 +196,24 @@ def _storage_options(options: Optional[str], paths: Sequence[str]) -> Iterator[N
 
 
 # --------------------------------------------------------------------- ls
-def cmd_ls(args: argparse.Namespace) -> int:
-    root = args.root
-    _require_root(root)
-    records = list_records(root)
-    now = time.time()
-    newest_valid: Optional[int] = None
+def _newest_valid(records: list[CheckpointRecord]) -> tuple[Optional[int], dict[int, str]]:
+    """The step a resuming run would load (checked as restore checks it by default), and why newer ones fail."""
     problems: dict[int, str] = {}
     for cand in choose_for_restore(records):
         manifest, why = _manifest_of(cand.path)
         problem = why if manifest is None else validate(cand.path, manifest, "size")
         if problem is None:
-            newest_valid = cand.step
-            break
+            return cand.step, problems
         problems[cand.step] = problem
+    return None, problems
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = args.root
+    _require_root(root)
+    records = list_records(root)
+    now = time.time()
+    newest_valid, problems = _newest_valid(records)
     if args.json:
         body = []
         for r in records:
@@ -286,7 +290,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fs, p = _fs(path)
     manifest, why = _manifest_of(path)
     metadata, md_problem = None, None
-    invalid = False
+    invalid = manifest is None and why is not None and why.startswith("unusable")
     if _exists(fs, join(p, DCP_METADATA_NAME)):
         from .dcp_io import read_metadata
 
@@ -461,7 +465,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     records = list_records(root)
-    doomed = records_to_delete(records, policy)
+    newest_valid, _ = _newest_valid(records)
+    doomed = records_to_delete(records, policy, protected=() if newest_valid is None else (newest_valid,))
     kept = [r.step for r in records if r not in doomed]
     verb = "would delete" if args.dry_run else "deleting"
     fs, _ = _fs(root)
@@ -583,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="delete checkpoints by the retention policy",
                        description="Delete the checkpoints the training-side retention policy would delete. "
-                       "Never deleted: the newest committed and newest healthy checkpoints, permanent ones, and "
+                       "Never deleted: the newest valid (what a resuming run loads), newest committed and newest "
+                       "healthy checkpoints, permanent ones, and "
                        "uncommitted directories newer than the newest committed one (a save may be in progress).")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--keep-last", type=int, required=True, metavar="K", help="keep the newest K healthy checkpoints")
