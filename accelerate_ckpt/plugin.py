@@ -33,7 +33,7 @@ from torch import nn
 
 from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, ResumableLoader, SaveStats, TrainState
 from ckpt_core.sampler import find_resumable_sampler
-from ckpt_core.storage import basename, get_fs, join, parse_step_dirname, step_dirname
+from ckpt_core.storage import MANIFEST_NAME, basename, get_fs, join, parse_step_dirname, step_dirname
 
 from . import data as data_mod
 
@@ -422,15 +422,18 @@ class CheckpointPlugin:
             return None
         return self.restore(step=self.settings.resume_step, required=False)
 
-    def restore(self, step: Optional[int] = None, *, dirpath: Optional[str] = None,
+    def restore(self, step: Optional[int] = None, *, dirpath: Optional[str] = None, path: Optional[str] = None,
                 required: bool = True) -> Optional[CheckpointInfo]:
-        """Restore checkpoint ``step`` (default: the newest valid) from ``dirpath`` (default: the plugin's root)."""
+        """Restore checkpoint ``step`` (default: the newest valid) from ``dirpath`` (default: the plugin's root),
+        or exactly the checkpoint directory ``path``."""
         self._check_attached()
         root = self.settings.dirpath if dirpath is None else os.fspath(dirpath)
+        if path is not None:
+            root = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
         mgr = self._manager_for(root)
         self._find_train_loader()
         state = self.state()
-        info = mgr.restore(state, step=step)
+        info = mgr.restore(state, step=step, path=path)
         if info is None:
             if required:
                 raise FileNotFoundError(f"no committed checkpoint under {mgr.root}")
@@ -513,8 +516,8 @@ class CheckpointPlugin:
                      path)
             self._orig["load_state"](input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
             return
-        if step is not None:  # one checkpoint: restore exactly it from its root
-            self.restore(step=step, dirpath=path.rsplit("/", 1)[0] if "/" in path else ".")
+        if step is not None or fs.exists(join(local, MANIFEST_NAME)):  # one checkpoint: exactly it
+            self.restore(path=path)
             return
         self.restore(dirpath=path)
 

@@ -5,7 +5,7 @@ from a shared bucket runs whatever the file names (``os.system``...). This
 unpickler admits an exact set of ``(module, name)`` globals: the metadata
 dataclasses and enums that DCP writes (taken from the files torch 2.6 to 2.14
 really write, see ``tests/fixtures/dcp_metadata/``), ``torch.Size``, the torch
-dtypes, the layout lookup and the path classes of ``StorageMeta``. No module
+dtypes, the layout lookup and the path class of ``StorageMeta``. No module
 prefix, no dotted name, and no ``BUILD`` on a class (which would rewrite
 attributes of an allowed class for the rest of the process).
 """
@@ -37,16 +37,15 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib", "WindowsPath"),
 }) | frozenset(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
-"""Every global the unpickler resolves; anything else is ``UnsafeCheckpointError``."""
+"""Every global the unpickler resolves; anything else is ``UnsafeCheckpointError``.
 
-_SUBSTITUTES = {("pathlib", "WindowsPath"): ("pathlib", "PureWindowsPath")}
-"""A checkpoint written on Windows names ``WindowsPath``, which cannot be built elsewhere; its pure twin can."""
+Exactly what torch 2.6.0 to 2.14.1 write into ``.metadata`` (pickle protocol 4, the same set in every
+release: tests/fixtures/dcp_metadata/ holds a file of each), with the dtype globals for every torch dtype.
+``PosixPath`` is the ``StorageMeta.checkpoint_id`` of ``FileSystemWriter``; ``_get_layout`` maps a layout
+name ("torch.strided") to the layout object, refusing unknown names.
+"""
 
 
 class _AllowlistUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
@@ -67,7 +66,6 @@ class _AllowlistUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             raise UnsafeCheckpointError(
                 f"{self.source} asks to load the global {_show(module)}.{_show(name)}, which is not DCP checkpoint "
                 "metadata; refusing to load it (a crafted or foreign file: do not load this checkpoint)")
-        module, name = _SUBSTITUTES.get((module, name), (module, name))
         return getattr(importlib.import_module(module), name)
 
     def persistent_load(self, pid: Any) -> Any:

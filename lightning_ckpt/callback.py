@@ -278,12 +278,14 @@ class DistributedCheckpoint(Checkpoint):
     def _restore_path(self, path: str) -> Any:
         root, step = _split_ckpt_path(path)
         manager, state = self.manager, self.state
+        if step is not None:  # one checkpoint directory: exactly it (a rollback when it is under our root)
+            return manager.restore(state, path=str(path).rstrip("/"))
         if _same_root(root, manager.root):
-            return manager.restore(state, step=step)
+            return manager.restore(state)
         other_settings = manager.settings.replace(dirpath=root, async_mode="off", handle_preemption=False,
                                                   resume=True, resume_step=None)
         with CheckpointManager(settings=other_settings) as other:
-            return other.restore(state, step=step, set_aside_newer=False)
+            return other.restore(state, set_aside_newer=False)
 
     # ------------------------------------------------------------------- save
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,

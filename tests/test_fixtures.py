@@ -53,3 +53,42 @@ def test_fixture_restores_exactly(fixture: Path, tmp_path: Path):
     F.seed_all()
     assert torch.equal(draws[0], torch.rand(4))
     assert draws[1:] == (random.random(), np.random.rand())
+
+
+METADATA = sorted((HERE / "dcp_metadata").glob("torch*/*.metadata"))
+
+
+def test_dcp_metadata_of_every_torch_release_loads():
+    """DCP's .metadata as torch 2.6 to 2.14 write it (a state with every kind of entry) passes the allowlist."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ckpt_core.safe_pickle import load_dcp_metadata
+
+    versions = {p.parent.name for p in METADATA}
+    assert {f"torch2.{m}" for m in range(6, 15)} <= {v.rsplit(".", 1)[0] for v in versions}
+    for path in METADATA:
+        assert isinstance(load_dcp_metadata(path.read_bytes(), str(path)), Metadata), path
+
+
+def test_allowlist_is_exactly_what_torch_writes():
+    """Every global the unpickler admits (dtypes aside) is one that some torch release writes, and vice versa."""
+    import io
+    import pickle
+
+    from ckpt_core.safe_pickle import ALLOWED_GLOBALS
+
+    seen: set = set()
+
+    class Recorder(pickle.Unpickler):  # plain pickle on the suite's own committed fixtures
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    for path in METADATA:
+        Recorder(io.BytesIO(path.read_bytes())).load()
+
+    def non_dtype(globals_: set) -> set:
+        return {g for g in globals_ if not (g[0] == "torch" and isinstance(getattr(torch, g[1], None), torch.dtype))}
+
+    assert non_dtype(set(ALLOWED_GLOBALS)) == non_dtype(seen)
+    assert seen <= ALLOWED_GLOBALS
