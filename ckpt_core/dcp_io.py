@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import crc32c
 import torch
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import fingerprint as fp
 from .crc_combine import crc32c_combine
-from .integrity import CheckpointVerifier, IntegrityError
+from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
 from .safe_pickle import load_dcp_metadata
 from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_name
@@ -149,14 +149,30 @@ def _without_zip_crc32() -> Any:
     (measured: ``torch.save`` of 1 GiB into an fsync'd file 1.20 s with it,
     0.82 s without, a raw write 0.90 s) and adds nothing here, since every file
     gets a CRC32C in the same pass, which discovery verifies; ``torch.load``
-    reads the files either way. torch's config patches are context-local, so a
-    ``torch.save`` the user runs on another thread keeps its CRC. DCP's writer
-    threads open their files through ``create_stream``, which is why the patch
-    lives there.
+    reads the files either way. From torch 2.12 on, config patches are
+    context-local, so a ``torch.save`` the user runs on another thread keeps its
+    CRC; before that a patch is process-wide (and overlapping patches from
+    several writer threads could leave it off), so the CRC is kept there. DCP's
+    writer threads open their files through ``create_stream``, which is why the
+    patch lives there.
     """
     from torch.utils.serialization import config
 
+    if not _CONFIG_PATCHES_ARE_CONTEXT_LOCAL:
+        return contextlib.nullcontext()
     return config.patch({"save.compute_crc32": False})
+
+
+def _config_patches_are_context_local() -> bool:
+    from contextvars import ContextVar
+
+    from torch.utils.serialization import config
+
+    entry = getattr(config, "_config", {}).get("save.compute_crc32")
+    return isinstance(getattr(entry, "user_override", None), ContextVar)
+
+
+_CONFIG_PATCHES_ARE_CONTEXT_LOCAL = _config_patches_are_context_local()
 
 
 class _HashingFileSystem:
@@ -380,17 +396,24 @@ class _SafeReaderMixin:
 
     verifier: Optional[CheckpointVerifier] = None
     _buffer_items = False
+    _metadata: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP metadata, read and checked once per reader (restore reads it before ``dcp.load`` does)."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))
-        if self.verifier is not None and kwargs.get("rank") is None:
-            data = self.verifier.checked_bytes(DCP_METADATA_NAME)
-        else:
-            with self.fs.create_stream(path, "rb") as f:
-                data = f.read()
-        metadata = load_dcp_metadata(data, str(path))
+        rank = kwargs.get("rank")
+        metadata = self._metadata if rank is None else None
+        if metadata is None:
+            path = self._get_metadata_path(rank)
+            if self.verifier is not None and rank is None:
+                data = self.verifier.checked_bytes(DCP_METADATA_NAME)
+            else:
+                with self.fs.create_stream(path, "rb") as f:
+                    data = f.read()
+            metadata = load_dcp_metadata(data, str(path))
+            if rank is None:
+                self._metadata = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
