@@ -302,6 +302,110 @@ def maxrss_bytes(who: int = resource.RUSAGE_SELF) -> int:
     return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def statm_rss(anon: bool = False) -> int:
+    """RSS of this process in bytes, from ``/proc/self/statm`` (a few microseconds per read).
+
+    ``anon=True``: resident minus file-backed/shared pages (the process's own memory, without the
+    library pages that a first call into torch code faults in).
+    """
+    with open("/proc/self/statm", "rb") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - (int(fields[2]) if anon else 0)) * _PAGE
+
+
+class RssMeter:
+    """Peak RSS of this process above a baseline, sampled from ``/proc/self/statm`` every ``interval`` s.
+
+    The baseline is the RSS when the meter is created (after imports).
+    ``mark(name)`` closes a phase: it records the RSS now and the peak since the
+    previous mark, both above the baseline. ``ru_maxrss`` (the kernel's exact
+    high-water mark, which cannot miss a short peak but also holds peaks from
+    before the baseline) is reported next to the sampled peak.
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.baseline = statm_rss()
+        self.baseline_anon = statm_rss(anon=True)
+        self.maxrss_at_baseline = maxrss_bytes()
+        self.peak = self._phase_peak = self.baseline
+        self.phases: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-meter", daemon=True)
+
+    def start(self) -> "RssMeter":
+        self._thread.start()
+        return self
+
+    def _sample(self) -> int:
+        rss = statm_rss()
+        with self._lock:
+            self.peak = max(self.peak, rss)
+            self._phase_peak = max(self._phase_peak, rss)
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def mark(self, name: str) -> None:
+        rss = self._sample()
+        with self._lock:
+            self.phases.append({"phase": name, "rss": rss - self.baseline, "peak": self._phase_peak - self.baseline,
+                                "anon": statm_rss(anon=True) - self.baseline_anon})
+            self._phase_peak = rss
+
+    def stop(self) -> None:
+        self._sample()
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def result(self, state_bytes: int) -> dict:
+        """Peak RSS above the baseline, also as a ratio to ``state_bytes``; phase marks in MiB."""
+        peak = self.peak - self.baseline
+        maxrss = maxrss_bytes() - self.baseline
+        return {
+            "state_bytes": state_bytes,
+            "baseline_rss": self.baseline,
+            "peak_rss_added": peak,
+            "maxrss_added": maxrss,
+            "rss_ratio": peak / state_bytes if state_bytes else None,
+            "maxrss_ratio": maxrss / state_bytes if state_bytes else None,
+            "phases_mib": [{k: (v if k == "phase" else round(v / MiB, 1)) for k, v in p.items()} for p in self.phases],
+        }
+
+
+def import_lazy_modules(world: int, optimizer: bool = False) -> None:
+    """Import what building the benchmarked state imports on first use, so an RSS baseline taken after it holds code only.
+
+    ``torch._dynamo`` (about 25 MiB of Python objects, 0.8 s) comes in with the
+    first DTensor (``world > 1``) or optimizer; left to the build, it would be
+    counted as memory of the state.
+    """
+    if world > 1 or optimizer:
+        import torch._dynamo  # noqa: F401
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state dict (the local shards of DTensors)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        t = obj.to_local() if isinstance(obj, DTensor) else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 # ----------------------------------------------------------------- storage
 def fsync_write(path: str, tensors: list, chunk: int = 64 * MiB) -> int:
     """Write the bytes of ``tensors`` sequentially to ``path`` and fsync it (the storage limit)."""

@@ -20,7 +20,12 @@ Each cycle:
    model construction, manager creation, and the manager's restore phases
    (``CheckpointManager.last_restore_timings``: discover = listing + choosing +
    validating, load = DCP load into fresh buffers, apply = set_state_dict etc.,
-   verify = fingerprints), then the first step.
+   verify = fingerprints), then the first step. The resume's host memory is
+   measured too: ``restore_rss_ratio`` is the peak RSS that the process group,
+   building the state and restoring it add above the RSS after imports
+   (sampled every 2 ms, ``_common.RssMeter``), divided by the state's bytes on
+   the rank (worst rank). The floor is 2.0: the live state plus the fresh
+   buffers a restore loads into before anything is applied.
 
 Medians over the cycles; JSON in ``benchmarks/results/recovery_<timestamp>.json``.
 """
@@ -81,7 +86,9 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
 
     from ckpt_core import CheckpointManager, TrainState
 
+    C.import_lazy_modules(world)
     marks["t_imports"] = time.time()
+    meter = C.RssMeter().start() if spec["role"] == "resume" else None  # baseline: the RSS after imports
     C.init_dist(rank, world, port)
     torch.set_num_threads(spec["threads"])
     marks["t_pg"] = time.time()
@@ -97,6 +104,8 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
         t0 = time.time()
         rec = mgr.restore(state)
         marks["t_restored"] = time.time()
+        meter.stop()
+        out["rss"] = meter.result(local_bytes)
         out["restore_s"] = marks["t_restored"] - t0
         out["timings"] = dict(getattr(mgr, "last_restore_timings", {}) or {})
         out["restored_step"] = None if rec is None else rec.step
@@ -259,6 +268,8 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         "step_s": step_s, "lost_s": None if step_s is None else lost * step_s, "evicted_bytes": evicted,
         "restore_s": restore_s, "time_to_first_step_s": m["t_first_step"] - t_launch, "phases": phases,
         "restored_ok": r0["restored_step"] == newest, "t_kill": t_kill,
+        "restore_rss_ratio": max(g["rss"]["rss_ratio"] for g in gathered),
+        "restore_rss_added": max(g["rss"]["peak_rss_added"] for g in gathered),
     }
 
 
@@ -291,6 +302,8 @@ def summarize(cycles: list, args: argparse.Namespace) -> dict:
         "step_s": C.median([c["step_s"] for c in ok]),
         "all_restored_newest": all(c["restored_ok"] for c in ok),
         "torn_seen": sum(len(c["torn"]) for c in ok),
+        "restore_rss_ratio": C.median([c.get("restore_rss_ratio") for c in ok]),
+        "restore_rss_added": C.median([c.get("restore_rss_added") for c in ok]),
     }
 
 
@@ -306,6 +319,9 @@ def print_summary(s: dict, args: argparse.Namespace, ranks: int) -> None:
     print(f"work lost per failure: median {C.fmt(s['lost_steps_median'], '.0f')} steps "
           f"({C.fmt(s['lost_s_median'], '.1f')}s), mean {C.fmt(s['lost_steps_mean'], '.1f')}, max {s['lost_steps_max']} "
           f"(save every {args.every}: a kill at a uniformly random step loses ~{args.every / 2:.0f} + the commit lag)")
+    print(f"restore memory: building the state and restoring it added {C.fmt(C.ratio(s['restore_rss_added'], C.MiB), '.0f')} MiB "
+          f"of RSS per rank = {C.fmt(s['restore_rss_ratio'], '.2f')}x the rank's state (median; floor 2.0 = live state "
+          f"+ fresh load buffers; target <= 2.1)")
     print(f"restored the newest committed checkpoint every time: {s['all_restored_newest']}; "
           f"torn (uncommitted) step directories seen and skipped: {s['torn_seen']}")
 
@@ -368,7 +384,8 @@ def main(argv: Optional[list] = None) -> int:
                     c = run_cycle(args, base, i, log_path, rng)
                     print(f"  cycle {i + 1}/{args.repeats}: killed after step {c['last_step']}, newest committed "
                           f"{max(c['committed']) if c['committed'] else None} (lost {c['lost_steps']} steps), "
-                          f"resumed from {c['restored_step']} in {c['time_to_first_step_s']:.2f}s", flush=True)
+                          f"resumed from {c['restored_step']} in {c['time_to_first_step_s']:.2f}s, "
+                          f"restore RSS {c['restore_rss_ratio']:.2f}x the state", flush=True)
                 except Exception as e:  # noqa: BLE001
                     failures += 1
                     c = {"cycle": i, "error": str(e)}
