@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import fingerprint as fp
 from .crc_combine import crc32c_combine
+from .inplace_read import read_in_place
 from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
 from .safe_pickle import load_dcp_metadata
@@ -418,6 +419,10 @@ class _SafeReaderMixin:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        # Tensor items go straight into their targets (no torch.load'ed copy per item); DCP reads the rest.
+        return super().read_data(read_in_place(self, plan, planner), planner)  # type: ignore[misc]
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         verifier = self.verifier
