@@ -76,8 +76,9 @@ def _byte_range(view: Any, req: ReadItem, target: torch.Tensor) -> Optional[int]
     """Offset in the item's archive where the bytes of the region ``req`` reads start, or None."""
     view.seek(0)
     saved = torch.load(view, map_location="meta", weights_only=True)
-    offset = getattr(saved.untyped_storage(), "_checkpoint_offset", None) if isinstance(saved, torch.Tensor) else None
-    if offset is None or saved.dtype != target.dtype or not saved.is_contiguous() or not _native_order(view):
+    offset, native = _archive_facts(view)
+    if (offset is None or not native or not isinstance(saved, torch.Tensor) or saved.dtype != target.dtype
+            or not saved.is_contiguous()):
         return None
     shape, starts, lengths = tuple(saved.shape), tuple(req.storage_offsets), tuple(req.lengths)
     if len(starts) != len(shape) or any(s + n > d for s, n, d in zip(starts, lengths, shape)):
@@ -103,11 +104,13 @@ def _one_range(shape: tuple, lengths: tuple) -> bool:
     return all(n == 1 for n in lengths[: partial[-1]])
 
 
-def _native_order(view: Any) -> bool:
-    """Whether the archive's storages are in this machine's byte order (``torch.load`` would swap them)."""
+def _archive_facts(view: Any) -> tuple[Optional[int], bool]:
+    """Where the archive's only storage record starts (None unless there is exactly one), and whether the
+    archive's byte order is this machine's (``torch.load`` would swap the bytes otherwise)."""
     view.seek(0)
     zf = torch._C.PyTorchFileReader(view)
-    names = [r for r in zf.get_all_records() if r == "byteorder" or r.endswith("/byteorder")]
-    if not names:
-        return sys.byteorder == "little"  # torch.load's default for archives without the record
-    return bytes(zf.get_record(names[0])).decode() == sys.byteorder
+    records = zf.get_all_records()
+    data = [r for r in records if r.startswith("data/")]
+    order = [r for r in records if r == "byteorder" or r.endswith("/byteorder")]
+    native = bytes(zf.get_record(order[0])).decode() == sys.byteorder if order else sys.byteorder == "little"
+    return (zf.get_record_offset(data[0]) if len(data) == 1 else None), native
