@@ -461,7 +461,8 @@ def verifier_for(path: str, manifest: Manifest, storage_options: Optional[Mappin
                  ) -> CheckpointVerifier:
     """A ``CheckpointVerifier`` reading the small files of checkpoint ``path`` through fsspec."""
     fs, dir_path = get_fs(path, **dict(storage_options or {}))
-    return CheckpointVerifier(manifest, lambda name: fs.cat_file(join(dir_path, name)), path)
+    return CheckpointVerifier(manifest, lambda name: fs.cat_file(join(dir_path, name)), path,
+                              read_many=lambda names: read_many(fs, [join(dir_path, n) for n in names]))
 
 
 def read_metadata(path: str, storage_options: Optional[Mapping[str, Any]] = None,

@@ -48,9 +48,12 @@ def crc_of_range(f: Any, offset: int, length: int, progress: Optional[Callable[[
 class CheckpointVerifier:
     """Verifies the files and items of one checkpoint against its manifest (see the module docstring)."""
 
-    def __init__(self, manifest: Manifest, read: Callable[[str], bytes], where: str) -> None:
+    def __init__(self, manifest: Manifest, read: Callable[[str], bytes], where: str,
+                 read_many: Optional[Callable[[list[str]], list[Any]]] = None) -> None:
         self.manifest = manifest
         self._read = read
+        self._read_many = read_many
+        self._prefetched: dict[str, bytes] = {}
         self.where = where
         self._sidecars: dict[str, Sidecar] = {}
         self._whole_ok: set[str] = set()
@@ -61,7 +64,9 @@ class CheckpointVerifier:
         entry = self.manifest.files.get(name)
         if entry is None:
             raise IntegrityError(f"{self.where}/{name} is not listed in the manifest")
-        data = self._read(name)
+        data = self._prefetched.pop(name, None)
+        if data is None:
+            data = self._read(name)
         if len(data) != entry.size:
             raise IntegrityError(f"{self.where}/{name} has {len(data)} bytes, the manifest says {entry.size}")
         if entry.crc32c is not None and crc32c.crc32c(data) != entry.crc32c:
@@ -96,8 +101,14 @@ class CheckpointVerifier:
                                      f"{'does not list' if entry is None else f'lists with {entry.size} bytes'}")
 
     def sidecars(self) -> list[Sidecar]:
-        """Every sidecar the manifest lists (their names end with ``.ckptpart.json``)."""
-        return [self.sidecar(n) for n in sorted(self.manifest.files) if sidecar_for_name(n)]
+        """Every sidecar the manifest lists (their names end with ``.ckptpart.json``), fetched together."""
+        names = [n for n in sorted(self.manifest.files) if sidecar_for_name(n)]
+        missing = [n for n in names if n not in self._sidecars]
+        if self._read_many is not None and len(missing) > 1:
+            for name, data in zip(missing, self._read_many(missing)):
+                if isinstance(data, bytes):
+                    self._prefetched[name] = data
+        return [self.sidecar(n) for n in names]
 
     def verify_item(self, f: Any, name: str, offset: int, length: int) -> None:
         """Check the bytes of one DCP item in open file ``f`` (``name`` inside the checkpoint)."""

@@ -47,6 +47,8 @@ from .strict_json import as_float, as_int, loads_object
 
 LOSSES_NAME = "first_losses.json"
 
+log = logging.getLogger("ckpt_core")
+
 
 def parse_losses(text: bytes) -> dict[int, float]:
     """The losses recorded after a save (``first_losses.json``): ``{step: loss}``, or ``ValueError``."""
@@ -62,7 +64,6 @@ def parse_losses(text: bytes) -> dict[int, float]:
         out[step] = as_float(entry[1], ValueError, finite=False)
     return out
 
-log = logging.getLogger("ckpt_core")
 
 # DCP also warns from the thread that runs an async save, where the ``catch_warnings`` around
 # ``dcp.async_save`` below does not reach: a single-process save is intended, and a step directory
