@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from . import __version__
 from .discovery import choose_for_restore, list_records, read_manifest, validate
-from .errors import describe, is_fatal
+from .errors import describe, is_fatal, one_line
 from .integrity import IntegrityError
 from .manifest import Manifest, ManifestError
 from .records import CheckpointRecord
@@ -651,7 +651,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CliError as e:
         if args.debug:
             raise
-        print(f"ckpt: error: {e}", file=sys.stderr)
+        print(f"ckpt: error: {one_line(str(e))}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("ckpt: interrupted", file=sys.stderr)

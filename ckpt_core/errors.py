@@ -20,5 +20,10 @@ def describe(exc: BaseException) -> str:
         for rank, err in sorted(failures.items()):
             inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exc", err)
             parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
+        return one_line("; ".join(parts))
+    return one_line(f"{type(exc).__name__}: {exc}")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) folded into one space."""
+    return " ".join(text.split())

@@ -102,6 +102,18 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _every_command(capsys, root: Path, ckpt: Path, tmp_path: Path) -> dict[str, int]:
+    """Run every ``ckpt`` command on a hostile checkpoint; each ends with at most one line on stderr."""
+    codes = {}
+    for argv in (["ls", str(root)], ["inspect", str(ckpt)], ["verify", str(ckpt)], ["verify", str(ckpt), "--checksum"],
+                 ["export", str(ckpt), str(tmp_path / "exported.safetensors")],
+                 ["prune", str(root), "--keep-last", "1", "--dry-run"]):
+        code, _, err = _cli(capsys, *argv)
+        assert err.count("\n") <= 1, (argv, err)
+        codes[" ".join(argv[:1] + [a for a in argv[1:] if a.startswith("--")])] = code
+    return codes
+
+
 def _assert_falls_back(root: Path, weights: dict, bad: int = 20, good: int = 10, reason: str = "") -> str:
     info, model, state, said = _restore(root)
     assert info is not None and info.step == good and state.step == good
@@ -189,7 +201,8 @@ def test_hostile_blob_never_runs(tmp_path, capsys):
     with CheckpointManager(str(root), async_mode="off", handle_preemption=False) as m:
         m.save(20, state)
     _assert_falls_back(root, weights, reason="does not decode")
-    assert _cli(capsys, "verify", str(root), "--checksum")[0] == 0  # well-formed files: only loading refuses
+    codes = _every_command(capsys, root, _ckpt(root, 20), tmp_path)
+    assert codes["verify --checksum"] == 0  # well-formed files: only loading refuses
     assert not marker.exists()
 
 
@@ -225,6 +238,7 @@ def test_hostile_byte_item_never_runs(tmp_path, capsys):
     assert info.step == 10 and fresh.payload == 1
     code, out, _ = _cli(capsys, "export", str(_ckpt(root, 20)), str(tmp_path / "w.pt"))
     assert code == 0 and "skipped non-tensor entries: model._extra_state" in out  # never unpickled
+    _every_command(capsys, root, _ckpt(root, 20), tmp_path)
     assert not marker.exists()
 
 
@@ -236,18 +250,19 @@ def test_forged_tensor_item_never_runs(run, tmp_path, capsys):
     name, offset, length = hostile.item_of(ckpt, "model.0.weight")
     hostile.forge_item(ckpt, name, offset, length, hostile.torch_save_payload(marker))
     _assert_falls_back(root, weights, reason="loading failed")
-    assert _cli(capsys, "verify", str(ckpt), "--checksum")[0] == 0  # every checksum was re-signed
-    assert _cli(capsys, "export", str(ckpt), str(tmp_path / "w.pt"))[0] == 1
+    codes = _every_command(capsys, root, ckpt, tmp_path)
+    assert codes["verify --checksum"] == 0 and codes["export"] == 1  # re-signed, but the payload never loads
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("content", [b"\x80\x04K\x01.", b"{}", b'{"prefix": "__0_", "files": {}}', b"[" * 100_000])
-def test_forged_sidecar_is_refused(content, run, capsys):
+def test_forged_sidecar_is_refused(content, run, capsys, tmp_path):
     root, weights = run
     ckpt = _ckpt(root, 20)
     hostile.forge_file(ckpt, "__0_.ckptpart.json", content)
     _assert_falls_back(root, weights, reason="__0_.ckptpart.json")
-    assert _cli(capsys, "verify", str(ckpt))[0] == 1
+    codes = _every_command(capsys, root, ckpt, tmp_path)
+    assert codes["verify"] == codes["verify --checksum"] == codes["export"] == 1
 
 
 # --------------------------------------------------- rows of the issue's table
