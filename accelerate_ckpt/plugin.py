@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, ResumableLoader, SaveStats, TrainState
+from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.sampler import find_resumable_sampler
 from ckpt_core.storage import MANIFEST_NAME, basename, get_fs, join, parse_step_dirname, step_dirname
 
@@ -171,10 +172,11 @@ class CheckpointPlugin:
         self.accelerator = accelerator
         accelerator.checkpoint_plugin = self
         self._adopt_project_configuration(accelerator.project_configuration)
-        for name in ("prepare_data_loader", "save_state", "load_state", "end_training"):
+        for name in ("prepare_data_loader", "prepare_model", "save_state", "load_state", "end_training"):
             self._orig[name] = getattr(accelerator, name)
         if self.rebuild_dataloaders:
             accelerator.prepare_data_loader = self._prepare_data_loader
+        accelerator.prepare_model = self._prepare_model
         accelerator.save_state = self._save_state
         accelerator.load_state = self._load_state
         accelerator.end_training = self._end_training
@@ -261,6 +263,12 @@ class CheckpointPlugin:
             epoch=self.epoch,
             extra=extra,
         )
+
+    def _prepare_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        """``accelerator.prepare_model``, then DDP's bucket layout fixed before the first step (exact resume)."""
+        prepared = self._orig["prepare_model"](model, *args, **kwargs)
+        fix_bucket_layout(prepared)
+        return prepared
 
     # ------------------------------------------------------------ data loaders
     def _prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import rng as rng_mod
+from .ddp_layout import fix_bucket_layout
 from .sampler import ResumableLoader, find_resumable_sampler
 
 log = logging.getLogger("ckpt_core")
@@ -77,6 +78,10 @@ class TrainState(Stateful):
     ``state_dict``/``load_state_dict`` (kept per rank). ``extra`` objects are
     saved from every rank and restored from the same rank (rank 0's at a new
     world size).
+
+    Create it before the first training step, on every rank: a DDP model's
+    gradient buckets are fixed here (``ddp_layout``), so that a resumed run
+    sums gradients in the same order as the original at every step.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class TrainState(Stateful):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"TrainState {name}={type(obj).__name__} has no state_dict()/load_state_dict()")
         self.options = state_dict_options or StateDictOptions()
+        fix_bucket_layout(model)
 
     # --- capture -------------------------------------------------------------
     def _model_optim(self) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=96, help="dataset size")
     p.add_argument("--batch-size", type=int, default=4, help="per-process batch size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int, default=32, help="hidden units of the model")
     p.add_argument("--stateful-dataloader", action="store_true",
                    help="DataLoaderConfiguration(use_stateful_dataloader=True): torchdata StatefulDataLoader")
     p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every process right after step N")
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> None:
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful_dataloader),
     )
     set_seed(args.seed)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, args.width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(args.width, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     if args.stateful_dataloader:

@@ -45,8 +45,12 @@ class IndexedData(Dataset):
 
 def build(args: argparse.Namespace):
     torch.manual_seed(args.seed)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
-    if dist.is_initialized():
+    model = nn.Sequential(nn.Linear(8, args.width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(args.width, 1))
+    if dist.is_initialized() and args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    elif dist.is_initialized():
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
@@ -65,6 +69,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int, default=32, help="hidden units of the model")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--async-mode", default="thread", choices=["process", "thread", "off"])
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
@@ -122,8 +128,10 @@ def main() -> None:
     manager.close()
     if args.out:
         out = f"{args.out}.rank{rank}"
-        core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        torch.save({"model": core.state_dict(), "optim": opt.state_dict()}, out + ".pt")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))  # on every rank
+        torch.save({"model": msd, "optim": osd}, out + ".pt")
         with open(out + ".json", "w") as f:
             json.dump({"resumed_from": resumed_from, "losses": losses, "seen": seen,
                        "resume_check_failures": manager.resume_check_failures}, f)

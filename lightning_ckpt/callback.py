@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState
 from ckpt_core.coordination import all_ranks_agree
+from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.discovery import list_records
 from ckpt_core.storage import get_fs, parse_step_dirname
 
@@ -229,6 +230,7 @@ class DistributedCheckpoint(Checkpoint):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.manager is None:
             return
+        fix_bucket_layout(trainer.strategy.model)  # DDP reduces alike in every run, fresh or resumed
         loader = self._source.prepare() if self._source is not None else None
         self.state = TrainState(
             model=pl_module,
