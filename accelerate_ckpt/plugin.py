@@ -177,6 +177,7 @@ class CheckpointPlugin:
         if self.rebuild_dataloaders:
             accelerator.prepare_data_loader = self._prepare_data_loader
         accelerator.prepare_model = self._prepare_model
+        fix_bucket_layout(*accelerator._models)  # models prepared before attach(), if no step has run yet
         accelerator.save_state = self._save_state
         accelerator.load_state = self._load_state
         accelerator.end_training = self._end_training
