@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import crc32c
 
 from .manifest import Manifest
-from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_for
+from .sidecar import SIDECAR_SUFFIX, ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_for
 
 CHUNK = 8 << 20
 
@@ -102,7 +102,7 @@ class CheckpointVerifier:
 
     def sidecars(self) -> list[Sidecar]:
         """Every sidecar the manifest lists (their names end with ``.ckptpart.json``), fetched together."""
-        names = [n for n in sorted(self.manifest.files) if sidecar_for_name(n)]
+        names = [n for n in sorted(self.manifest.files) if n.endswith(SIDECAR_SUFFIX)]
         missing = [n for n in names if n not in self._sidecars]
         if self._read_many is not None and len(missing) > 1:
             for name, data in zip(missing, self._read_many(missing)):
@@ -153,8 +153,3 @@ class CheckpointVerifier:
                                  f"says {entry.crc32c:#010x})")
         self._whole_ok.add(name)
 
-
-def sidecar_for_name(name: str) -> bool:
-    from .sidecar import SIDECAR_SUFFIX
-
-    return name.endswith(SIDECAR_SUFFIX)
