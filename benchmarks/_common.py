@@ -151,6 +151,16 @@ def finish_rank(world: int) -> None:
     dist.destroy_process_group()
 
 
+def worker(spec_path: str, rank_main: Callable, **extra: Any) -> None:
+    """A worker process: quiet the logs, read the spec (plus ``extra``), run ``rank_main`` on every rank."""
+    import logging
+
+    logging.getLogger().setLevel(logging.WARNING)
+    with open(spec_path) as f:
+        spec = {**json.load(f), **extra}
+    run_ranks(rank_main, spec["ranks"], spec)
+
+
 def run_ranks(fn: Callable[[int, int, Any, dict], None], world: int, spec: dict) -> None:
     """Run ``fn(rank, world, rdzv, spec)`` on ``world`` ranks: in this process for one rank, else spawned.
 

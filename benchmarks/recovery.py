@@ -140,13 +140,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
 
 
 def worker_main(spec_path: str) -> None:
-    import logging
-
-    logging.getLogger().setLevel(logging.WARNING)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    spec["_t_worker"] = T_IMPORT0
-    C.run_ranks(rank_main, spec["ranks"], spec)
+    C.worker(spec_path, rank_main, _t_worker=T_IMPORT0)
 
 
 # -------------------------------------------------------------- harness side

@@ -31,11 +31,9 @@ above that floor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -144,12 +142,7 @@ def rank_main(rank: int, world: int, rdzv: Any, spec: dict) -> None:
 
 
 def worker_main(spec_path: str) -> None:
-    import logging
-
-    logging.getLogger().setLevel(logging.WARNING)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    C.run_ranks(rank_main, spec["ranks"], spec)
+    C.worker(spec_path, rank_main)
 
 
 # -------------------------------------------------------------- harness side

@@ -32,7 +32,6 @@ and a PNG when matplotlib is importable. Timings are reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -424,12 +423,7 @@ def _run_round(ctx: Ctx, sampler: Any, order: list, base_mem: int, base_rss: int
 
 
 def worker_main(spec_path: str) -> None:
-    import logging
-
-    logging.getLogger().setLevel(logging.WARNING)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    C.run_ranks(rank_main, spec["ranks"], spec)
+    C.worker(spec_path, rank_main)
 
 
 # -------------------------------------------------------------- harness side
