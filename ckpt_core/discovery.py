@@ -7,7 +7,7 @@ from pickle import UnpicklingError
 from typing import Callable, Optional, Sequence
 
 from .crc_combine import crc32c_combine
-from .integrity import IntegrityError, crc_of_range
+from .integrity import CheckpointVerifier, IntegrityError, crc_of_range
 from .manifest import Manifest, ManifestError, parse_manifest
 from .records import CheckpointRecord
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
@@ -79,15 +79,17 @@ def validate(
     level: str = "size",
     storage_options: Optional[dict] = None,
     progress: Optional[Callable[[int], None]] = None,
+    unpickle_metadata: bool = True,
 ) -> Optional[str]:
     """Why checkpoint ``path`` is not loadable, or None when it checks out at ``level``.
 
     ``size``: every file is present with its manifest size (one listing);
     ``.metadata`` and every rank's sidecar match their checksums, the sidecars
     name this checkpoint's id and step, and ``.metadata`` unpickles under the
-    allowlist. ``checksum`` also reads every byte of every file: whole-file
-    CRC32Cs, and each DCP item against the checksum its writer recorded.
-    Loading checks each item it reads at any level but ``none``.
+    allowlist (skipped with ``unpickle_metadata=False``, for a caller that
+    unpickles it next anyway). ``checksum`` also reads every byte of every
+    file: whole-file CRC32Cs, and each DCP item against the checksum its writer
+    recorded. Loading checks each item it reads at any level but ``none``.
     """
     if level not in VERIFY_LEVELS:
         raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {level!r}")
@@ -100,30 +102,31 @@ def validate(
             return f"{name} is missing"
         if present[name] is not None and int(present[name]) != entry.size:
             return f"{name} has {present[name]} bytes, the manifest says {entry.size}"
+    from .dcp_io import verifier_for
+
+    verifier = verifier_for(path, manifest, storage_options)
     try:
-        _check_structure(path, manifest, storage_options)
+        _check_structure(verifier, unpickle_metadata)
         if level == "checksum":
-            _check_every_byte(fs, dir_path, manifest, path, storage_options, progress)
+            _check_every_byte(fs, dir_path, verifier, progress)
     except (IntegrityError, UnpicklingError, OSError) as e:
         return str(e) if isinstance(e, IntegrityError) else f"{type(e).__name__}: {e}"
     return None
 
 
-def _check_structure(path: str, manifest: Manifest, storage_options: Optional[dict]) -> None:
-    from .dcp_io import verifier_for
+def _check_structure(verifier: CheckpointVerifier, unpickle_metadata: bool) -> None:
     from .safe_pickle import load_dcp_metadata
 
-    verifier = verifier_for(path, manifest, storage_options)
     verifier.sidecars()
-    load_dcp_metadata(verifier.checked_bytes(DCP_METADATA_NAME), f"{path}/{DCP_METADATA_NAME}")
+    data = verifier.checked_bytes(DCP_METADATA_NAME)
+    if unpickle_metadata:
+        load_dcp_metadata(data, f"{verifier.where}/{DCP_METADATA_NAME}")
 
 
-def _check_every_byte(fs, dir_path: str, manifest: Manifest, path: str, storage_options: Optional[dict],
+def _check_every_byte(fs, dir_path: str, verifier: CheckpointVerifier,
                       progress: Optional[Callable[[int], None]]) -> None:
     """One pass over every file: each item against its own checksum, each file against the manifest's."""
-    from .dcp_io import verifier_for
-
-    verifier = verifier_for(path, manifest, storage_options)
+    manifest = verifier.manifest
     items: dict[str, list[tuple[int, int]]] = {}
     for side in verifier.sidecars():
         for name, offset, length in side.items:

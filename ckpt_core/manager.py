@@ -672,7 +672,9 @@ class CheckpointManager:
         if (manifest.step, manifest.checkpoint_id) != (rec.step, rec.checkpoint_id):
             return "its manifest changed while it was being restored"
         try:
-            return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options)
+            # every rank unpickles .metadata next (_prepare_load), under the same allowlist
+            return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options,
+                            unpickle_metadata=False)
         except BaseException as e:  # noqa: BLE001 - any failure to check it means: fall back
             if is_fatal(e):
                 raise
