@@ -28,6 +28,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .pg_lifetime import hold_process_group
+
 log = logging.getLogger("ckpt_core")
 
 
@@ -38,10 +40,12 @@ def fix_bucket_layout(*modules: Any) -> int:
     training step (TrainState and both adapters do). DDP instances that have
     already run a backward pass, and configurations whose layout never changes
     or cannot be primed (``find_unused_parameters``, ``static_graph``, sparse
-    gradients, the Python reducer), are left alone.
+    gradients, the Python reducer), are left alone. Every DDP's process group
+    is also held past the DDP (``pg_lifetime``: no hang at exit).
     """
     primed = 0
     for ddp in _ddp_instances(modules):
+        hold_process_group(ddp)
         why = _why_not(ddp)
         if why is None:
             _prime(ddp)

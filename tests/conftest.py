@@ -42,6 +42,22 @@ def run_script(script: Path, args: list[str], nproc: int = 1, timeout: float = 2
     return proc
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun starts each worker in a session of its own)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def load_result(prefix: Path | str, rank: int = 0) -> tuple[dict, dict]:
     with open(f"{prefix}.rank{rank}.json") as f:
         meta = json.load(f)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import kill_tree
 import torch
 
 pytest.importorskip("accelerate")
@@ -56,13 +57,12 @@ def launch(nproc: int, args: list[str], *, killed: bool = False, env: dict | Non
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLE), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if not k.startswith("CKPT_") or k in (env or {})}
-    # its own session, so that a timeout takes down torchrun's workers too, not only torchrun
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                              cwd=REPO, start_new_session=True)
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
+        kill_tree(popen.pid)
         stdout, stderr = popen.communicate()
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s\n{stdout}\n{stderr[-6000:]}")
     proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
@@ -185,3 +185,24 @@ def test_resume_at_another_process_count_continues_the_global_order(new_nproc, p
         assert max(rs) == steps and sorted(rs) == list(range(r + 1, steps + 1))
         assert any(e["epoch"] == epoch + 1 for e in rs.values())
         assert all(math.isfinite(e["loss"]) for e in rs.values())
+
+
+def test_process_group_outlives_the_ddp_model_after_end_training(tmp_path):
+    """The script ends as Accelerate's examples do: ``end_training()`` destroys the process group, then the DDP
+    model dies with ``main``. gloo's destructor must not run inside DDP's reducer (GIL held: a gloo worker that needs
+    the GIL to free the last collective's tensor hung 4-rank runs at exit) but from Python, afterwards."""
+    from conftest import WORKERS
+
+    worker = WORKERS / "exit_order_worker.py"
+    launch_args = [str(tmp_path / "facts"), str(EXAMPLE), "--dirpath", str(tmp_path / "ck"), "--steps", "6",
+                   "--every-n-steps", "5", "--ckpt.async_mode", "thread"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(worker), *launch_args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        facts = json.loads((tmp_path / f"facts.rank{rank}.json").read_text())
+        assert facts["held_after_main"] == 1 and facts["held_released"] == 0
+        assert facts["threads_released"] < facts["threads_after_main"], facts  # gloo's threads ended on release

@@ -21,6 +21,7 @@ from typing import Optional
 
 import pytest
 import torch
+from conftest import kill_tree
 
 pytest.importorskip("lightning")
 
@@ -46,10 +47,7 @@ class Run:
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            try:  # ranks, DCP writer processes: nothing of this run may outlive it
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(self.proc.pid)  # ranks, DCP writer processes: nothing of this run may outlive it
         text = self.log_path.read_text()
         assert rc == expect_rc, f"rc={rc}, expected {expect_rc}\n{text[-6000:]}"
         self.text = text
