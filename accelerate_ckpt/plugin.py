@@ -40,7 +40,7 @@ from . import data as data_mod
 
 log = logging.getLogger("accelerate_ckpt")
 
-from ckpt_core.overrides import log_effective_settings, resolve_settings  # CKPT_<NAME> env, --ckpt.<name> flags
+from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 
 _ACCELERATE_FORMAT_FILES = ("model.safetensors", "pytorch_model.bin", "random_states_0.pkl", "optimizer.bin")
 
@@ -128,8 +128,7 @@ class CheckpointPlugin:
         code = dict(kwargs)
         if dirpath is not None:
             code["dirpath"] = os.fspath(dirpath)
-        self.settings, self.sources = resolve_settings(
-            code, env=env, argv=list(sys.argv[1:] if argv is None else argv), defaults=settings)
+        self.settings, self.sources = resolve_entry_point(code, settings, env=env, argv=argv)
         self.rebuild_dataloaders = rebuild_dataloaders
         self.log_metrics = log_metrics
         self.accelerator: Any = None
@@ -212,7 +211,8 @@ class CheckpointPlugin:
         """The core manager for ``settings.dirpath`` (created at first use, on every rank together)."""
         self._check_attached()
         if self._manager is None:
-            self._manager = CheckpointManager(settings=self.settings, metrics_callbacks=[self._on_stats])
+            self._manager = CheckpointManager(settings=self.settings, metrics_callbacks=[self._on_stats],
+                                              env={}, argv=[])
         return self._manager
 
     def _manager_for(self, root: Optional[str]) -> CheckpointManager:
@@ -221,7 +221,7 @@ class CheckpointPlugin:
         key = root.rstrip("/") or root
         if key not in self._extra_managers:
             self._extra_managers[key] = CheckpointManager(
-                settings=self.settings.replace(dirpath=key), metrics_callbacks=[self._on_stats])
+                settings=self.settings.replace(dirpath=key), metrics_callbacks=[self._on_stats], env={}, argv=[])
         return self._extra_managers[key]
 
     def _managers(self) -> list[CheckpointManager]:

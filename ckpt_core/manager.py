@@ -21,7 +21,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from .records import CheckpointInfo
 from .retention import build_policy, mark_permanent, records_to_delete
 from .roots import check_root
 from .schedule import SaveSchedule
-from .settings import CheckpointSettings
+from .config import CheckpointSettings, resolve_entry_point
 from .state import StateMismatchError, TrainState
 from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
 from .strict_json import as_float, as_int, loads_object
@@ -166,6 +166,10 @@ class CheckpointManager:
 
     Keyword arguments are ``CheckpointSettings`` fields (``every_n_steps``,
     ``keep_last``, ``async_mode``...); pass ``settings=`` to give them at once.
+    ``CKPT_<NAME>`` variables (``env``, default ``os.environ``) and
+    ``--ckpt.<name>`` flags (``argv``, default ``sys.argv[1:]``) override both
+    (``ckpt_core.config.resolve_entry_point``); pass ``env={}, argv=[]`` for
+    settings resolved already.
     Every rank constructs the manager and calls ``save``/``maybe_save``/
     ``restore`` at the same steps: these are collective.
     """
@@ -176,13 +180,13 @@ class CheckpointManager:
         *,
         settings: Optional[CheckpointSettings] = None,
         metrics_callbacks: Sequence[Callable[[SaveStats], None]] = (),
+        env: Optional[Mapping[str, str]] = None,
+        argv: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ) -> None:
-        if settings is None:
-            settings = CheckpointSettings(**({"dirpath": str(root)} if root is not None else {}), **kwargs)
-        elif root is not None or kwargs:
-            settings = settings.replace(**({"dirpath": str(root)} if root is not None else {}), **kwargs)
-        self.settings = s = settings
+        code = {**({"dirpath": str(root)} if root is not None else {}), **kwargs}
+        self.settings, self.sources = resolve_entry_point(code, settings, env=env, argv=argv)
+        s = self.settings
         self.root = s.dirpath.rstrip("/") if s.dirpath not in ("/",) else s.dirpath
         self.fs, self._root_path = check_root(self.root, s.storage_options, saving=_saves(s))
         self._metrics_callbacks = list(metrics_callbacks)

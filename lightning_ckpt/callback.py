@@ -30,7 +30,7 @@ import random
 import signal
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState
+from ckpt_core.config import log_effective_settings, resolve_entry_point, schema
 from ckpt_core.coordination import all_ranks_agree
 from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.discovery import list_records
@@ -94,7 +95,12 @@ class DistributedCheckpoint(Checkpoint):
             code 143 (``ckpt_core.Preempted``), before Lightning's own SIGTERM handling stops the run.
         exception_timeout_s: How long ranks wait for each other before an exception checkpoint.
         settings: Further ``ckpt_core.CheckpointSettings`` (``writer_threads``, ``storage_options``,
-            ``on_save_error``, ``max_host_memory_bytes``...); the arguments above take precedence.
+            ``on_save_error``, ``max_host_memory_bytes``...); the arguments above that are given take precedence.
+        env: where ``CKPT_<NAME>`` variables are read (default ``os.environ``; ``{}`` reads none).
+        argv: where ``--ckpt.<name>`` flags are read (default ``sys.argv[1:]``; ``[]`` reads none).
+
+    Precedence: defaults < ``settings`` < the arguments given < ``CKPT_*`` env < ``--ckpt.*`` flags; an unknown
+    ``CKPT_`` variable (a misspelt name) is an error naming the closest setting.
     """
 
     def __init__(
@@ -109,12 +115,14 @@ class DistributedCheckpoint(Checkpoint):
         interval: Optional[str] = None,
         device_mtbf_hours: Optional[float] = None,
         async_mode: Optional[str] = None,
-        verify: str = "size",
-        resume: bool = True,
+        verify: Optional[str] = None,
+        resume: Optional[bool] = None,
         resume_step: Optional[int] = None,
-        handle_preemption: bool = True,
+        handle_preemption: Optional[bool] = None,
         exception_timeout_s: float = 30.0,
         settings: Optional[CheckpointSettings] = None,
+        env: Optional[Mapping[str, str]] = None,
+        argv: Optional[Sequence[str]] = None,
     ) -> None:
         super().__init__()
         self.dirpath = None if dirpath is None else str(dirpath)
@@ -124,7 +132,8 @@ class DistributedCheckpoint(Checkpoint):
         self.exception_timeout_s = float(exception_timeout_s)
         if interval is None and device_mtbf_hours is not None:
             interval = "auto"
-        self._args = dict(
+        given = dict(
+            dirpath=self.dirpath,
             every_n_steps=every_n_train_steps,
             every_seconds=None if train_time_interval is None else train_time_interval.total_seconds(),
             interval=interval,
@@ -138,8 +147,9 @@ class DistributedCheckpoint(Checkpoint):
             resume_step=resume_step,
             handle_preemption=handle_preemption,
         )
-        self._base_settings = settings if settings is not None else CheckpointSettings()
-        self._settings(self.dirpath or "checkpoints", "thread")  # validate every value now
+        code = {k: v for k, v in given.items() if v is not None}  # an argument left out does not override settings
+        self._given_settings = settings
+        self.settings, self.sources = resolve_entry_point(code, settings, env=env, argv=argv)
         self.manager: Optional[CheckpointManager] = None
         self.state: Optional[TrainState] = None
         self.resumed_from: Optional[int] = None
@@ -161,10 +171,19 @@ class DistributedCheckpoint(Checkpoint):
         self._validating_in_fit = False
         self._metrics: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
 
-    def _settings(self, dirpath: str, default_async: str) -> CheckpointSettings:
-        args = {k: v for k, v in self._args.items() if not (k == "async_mode" and v is None)}
-        args.setdefault("async_mode", default_async)
-        return self._base_settings.replace(dirpath=dirpath, **args)
+    def _runtime_settings(self, trainer: "pl.Trainer") -> CheckpointSettings:
+        """The resolved settings, with what only the trainer knows filled in where nothing set it."""
+        changes: dict[str, Any] = {}
+        if self._unset("dirpath"):
+            changes["dirpath"] = self._resolve_dirpath(trainer)
+        if self._unset("async_mode"):
+            changes["async_mode"] = "process" if trainer.world_size > 1 else "thread"
+        return self.settings.replace(**changes) if changes else self.settings
+
+    def _unset(self, name: str) -> bool:
+        """Whether no argument, ``settings`` value, variable or flag chose setting ``name``."""
+        given = self._given_settings
+        return self.sources[name] == "default" and (given is None or getattr(given, name) == schema()[name].default)
 
     @property
     def state_key(self) -> str:
@@ -175,16 +194,16 @@ class DistributedCheckpoint(Checkpoint):
         if stage != "fit":
             return
         self._reset_run()
-        dirpath = self._resolve_dirpath(trainer)
-        self.settings = self._settings(dirpath, "process" if trainer.world_size > 1 else "thread")
+        self.settings = self._runtime_settings(trainer)
         if self.settings.async_mode == "process" and trainer.world_size == 1:
             rank_zero_warn("DistributedCheckpoint(async_mode='process') on one device starts a 1-rank gloo process "
                            "group, so torch.distributed reports itself initialized to Lightning and other libraries;"
                            " async_mode='thread' avoids that")
-        self.manager = CheckpointManager(settings=self.settings)
+        self.manager = CheckpointManager(settings=self.settings, env={}, argv=[])
         if trainer.is_global_zero:
+            log_effective_settings(self.settings, self.sources, logger=log)
             self.manager.add_metrics_callback(lambda stats: self._metrics.put(stats.as_metrics()))
-        if not any(self._args[k] for k in ("every_n_steps", "every_seconds", "interval")):
+        if not any(getattr(self.settings, k) for k in ("every_n_steps", "every_seconds", "interval")):
             rank_zero_warn("DistributedCheckpoint has no save trigger (every_n_train_steps, train_time_interval, "
                            "interval='auto'): it saves only on preemption or exception")
         self._source = install_source(trainer)
@@ -286,7 +305,7 @@ class DistributedCheckpoint(Checkpoint):
             return manager.restore(state)
         other_settings = manager.settings.replace(dirpath=root, async_mode="off", handle_preemption=False,
                                                   resume=True, resume_step=None)
-        with CheckpointManager(settings=other_settings) as other:
+        with CheckpointManager(settings=other_settings, env={}, argv=[]) as other:
             return other.restore(state, set_aside_newer=False)
 
     # ------------------------------------------------------------------- save

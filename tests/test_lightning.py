@@ -71,7 +71,7 @@ def test_cli_flags_reach_the_callback():
     ])
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DistributedCheckpoint)]
     assert cb.every_n_train_steps == 100 and cb.dirpath == "memory://cli-run"
-    settings = cb._settings(cb.dirpath, "thread")
+    settings = cb.settings
     assert settings.every_n_steps == 100 and settings.keep_last == 3 and settings.every_seconds == 1800.0
     assert settings.keep_best == ("val_loss", "min", 2) and settings.writer_threads == 2
 

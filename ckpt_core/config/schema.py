@@ -1,0 +1,177 @@
+"""``CheckpointSettings``: every setting of the checkpointing core, declared once.
+
+Each field carries, next to its type and default, its help text, its allowed
+values, whether it holds secrets and the check of its value (``metadata``).
+Validation, parsing of ``CKPT_*``/``--ckpt.*`` strings, ``--help`` text, the
+log line and the generated settings table all read this one declaration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .errors import SettingError
+
+ASYNC_MODES = ("process", "thread", "off")
+IN_FLIGHT_POLICIES = ("wait", "skip")
+ERROR_POLICIES = ("raise", "warn")
+VERIFY_LEVELS = ("none", "size", "checksum")
+RESUME_CHECK_POLICIES = ("warn", "raise", "off")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _keep_best(v: Any) -> bool:
+    return (isinstance(v, (tuple, list)) and len(v) == 3 and isinstance(v[0], str) and v[1] in ("min", "max")
+            and _int(v[2]) and v[2] > 0)
+
+
+def _spec(default: Any, help: str, check: Callable[[Any], bool], expected: str, *,
+          choices: tuple = (), secret: bool = False, factory: Optional[Callable[[], Any]] = None) -> Any:
+    meta = {"help": help, "check": check, "expected": expected, "choices": choices, "secret": secret}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _pos_int(default: Optional[int], help: str) -> Any:
+    return _spec(default, help, lambda v: v is None or (_int(v) and v > 0), "a positive integer or None")
+
+
+def _pos_num(default: Optional[float], help: str, unit: str = "seconds/hours") -> Any:
+    return _spec(default, help, lambda v: v is None or (_num(v) and v > 0), f"a positive number of {unit} or None")
+
+
+def _clamp(default: float, help: str) -> Any:
+    return _spec(default, help, lambda v: _num(v) and v > 0, "a positive number of seconds")
+
+
+def _count(default: int, help: str, low: int = 0, high: Optional[int] = None) -> Any:
+    expected = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+    return _spec(default, help, lambda v: _int(v) and low <= v and (high is None or v <= high), expected)
+
+
+def _choice(default: str, help: str, choices: tuple) -> Any:
+    return _spec(default, help, lambda v: v in choices, f"one of {', '.join(choices)}", choices=choices)
+
+
+def _flag(default: bool, help: str) -> Any:
+    return _spec(default, help, lambda v: isinstance(v, bool), "true or false")
+
+
+@dataclass
+class CheckpointSettings:
+    """Settings of one checkpointed run. Construction validates every value (``SettingError``).
+
+    ``ckpt settings`` lists them; ``docs/settings.md`` is generated from the
+    declarations below.
+    """
+
+    dirpath: str = _spec("checkpoints", "checkpoint root, a local path or any fsspec URL (s3://, memory://).",
+                         lambda v: isinstance(v, str) and bool(v), "a non-empty path or fsspec URL")
+    every_n_steps: Optional[int] = _pos_int(None, "save when step % every_n_steps == 0.")
+    every_seconds: Optional[float] = _pos_num(None, "save when this many seconds passed since the last save.")
+    interval: Optional[str] = _spec(None, '"auto" for the Young/Daly interval from the measured save cost and MTBF.',
+                                    lambda v: v in (None, "auto"), "'auto' or None", choices=("auto",))
+    device_mtbf_hours: Optional[float] = _pos_num(
+        None, 'per-device mean time between failures, for interval="auto".')
+    n_devices: Optional[int] = _pos_int(None, "devices that fail independently; defaults to the world size.")
+    min_interval_s: float = _clamp(60.0, "clamp of the automatic interval.")
+    max_interval_s: float = _clamp(3600.0, "clamp of the automatic interval.")
+    keep_last: Optional[int] = _pos_int(None, "keep the newest K healthy checkpoints (None keeps all).")
+    keep_every_n_steps: Optional[int] = _pos_int(
+        None, "permanent tier: checkpoints at multiples of N are never deleted.")
+    keep_every_seconds: Optional[float] = _pos_num(None, "keep one checkpoint per window of this many seconds.")
+    keep_best: Optional[tuple] = _spec(None, '(metric, "min"|"max", n): keep the n best by a metric.',
+                                       lambda v: v is None or _keep_best(v),
+                                       "(metric, 'min'|'max', n) with n a positive integer")
+    async_mode: str = _choice("process", "process (default: DCP's background process), thread or off.", ASYNC_MODES)
+    on_in_flight: str = _choice("wait", "when a save is due while the previous is still writing: wait or skip.",
+                                IN_FLIGHT_POLICIES)
+    on_save_error: str = _choice("raise", "a failed background write raises on the training side or warns.",
+                                 ERROR_POLICIES)
+    verify: str = _choice("size", "check before loading: none, size (default) or checksum.", VERIFY_LEVELS)
+    max_host_memory_bytes: Optional[int] = _pos_int(
+        None, "bound on staging memory; larger states save synchronously.")
+    writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
+                                    "(benchmarks/save.py).", low=1)
+    write_retries: int = _count(3, "retries of a write that failed with a transient storage error (backoff doubles).")
+    retry_backoff_s: float = _spec(0.5, "the first retry's delay in seconds.", lambda v: _num(v) and v >= 0,
+                                   "a number of seconds >= 0")
+    resume: bool = _flag(True, "restore the newest valid checkpoint at start.")
+    resume_step: Optional[int] = _spec(None, "restore exactly this step (a rollback) instead of the newest.",
+                                       lambda v: v is None or (_int(v) and v >= 0), "an integer >= 0 or None")
+    resume_check: str = _choice("warn", "compare the first losses after a resume with the recorded ones: warn, "
+                                        "raise or off.", RESUME_CHECK_POLICIES)
+    resume_check_steps: int = _count(3, "how many losses after each checkpoint are recorded and compared.")
+    handle_preemption: bool = _flag(True, "on SIGTERM/SIGUSR1, save at the next step boundary and exit.")
+    preemption_exit_code: int = _count(143, "the exit code after a preemption save (143 = 128 + SIGTERM).", high=255)
+    storage_options: dict = _spec(None, "fsspec storage options for the checkpoint root (a JSON object), e.g. an S3 "
+                                        "endpoint.", lambda v: isinstance(v, dict), "a dict (a JSON object)",
+                                  secret=True, factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``SettingError`` naming the first bad setting and what it accepts."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["check"](value):
+                raise SettingError(f.name, value, f.metadata["expected"])
+        if self.min_interval_s > self.max_interval_s:
+            raise SettingError("min_interval_s", self.min_interval_s, f"at most max_interval_s={self.max_interval_s}")
+        if self.interval == "auto" and self.device_mtbf_hours is None:
+            raise SettingError("device_mtbf_hours", None, "a number of hours when interval='auto'")
+        if self.keep_best is not None:
+            self.keep_best = tuple(self.keep_best)
+
+    def replace(self, **changes: Any) -> "CheckpointSettings":
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the schema says about one setting (read-only view of a field)."""
+
+    name: str
+    type: Any
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple
+    secret: bool
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else str), True
+    return tp, False
+
+
+def schema() -> dict[str, Setting]:
+    """Every setting by name, in declaration order."""
+    hints = typing.get_type_hints(CheckpointSettings)
+    out = {}
+    for f in dataclasses.fields(CheckpointSettings):
+        tp, optional = _base_type(hints[f.name])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        m = f.metadata
+        out[f.name] = Setting(f.name, tp, optional, default, m["help"], m["choices"], m["secret"])
+    return out
+
+
+def setting_names() -> list[str]:
+    return list(schema())
