@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 import threading
 import warnings
 from typing import Any, Mapping, Optional, Sequence

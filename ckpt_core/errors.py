@@ -27,3 +27,16 @@ def describe(exc: BaseException) -> str:
 def one_line(text: str) -> str:
     """``text`` with every run of whitespace (newlines included) folded into one space."""
     return " ".join(text.split())
+
+
+class SaveError(RuntimeError):
+    """A checkpoint save failed; ``step`` names it and ``__cause__`` says why."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(f"checkpoint save at step {step} failed: {describe(cause)}")
+        self.step = step
+        self.__cause__ = cause
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint could be restored, or the restored state does not match what was saved."""

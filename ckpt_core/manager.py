@@ -12,7 +12,6 @@ buffers (DCP, resharding) -> verify the fingerprint -> apply -> verify again.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import time
 import uuid
@@ -31,38 +30,22 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from . import fingerprint as fp
+from .collectives import RankGroup, TorchRankGroup, all_done, any_signal, first_problem, rank0_decides
+from .config import CheckpointSettings, resolve_entry_point
 from .dcp_io import SafeLoadPlanner, make_reader, make_writer
 from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
-from .errors import describe, is_fatal
+from .errors import RestoreError, SaveError, describe, is_fatal
 from .manifest import Manifest, ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
 from .records import CheckpointInfo
 from .retention import build_policy, mark_permanent, records_to_delete
 from .roots import check_root
+from .resume_check import LOSSES_NAME, ResumeCheck, parse_losses
 from .schedule import SaveSchedule
-from .config import CheckpointSettings, resolve_entry_point
 from .state import StateMismatchError, TrainState
 from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
-from .strict_json import as_float, as_int, loads_object
-
-LOSSES_NAME = "first_losses.json"
 
 log = logging.getLogger("ckpt_core")
-
-
-def parse_losses(text: bytes) -> dict[int, float]:
-    """The losses recorded after a save (``first_losses.json``): ``{step: loss}``, or ``ValueError``."""
-    body = loads_object(text, LOSSES_NAME, ValueError)
-    losses = body.get("losses")
-    if not isinstance(losses, list):
-        raise ValueError(f"{LOSSES_NAME} has no list of losses")
-    out = {}
-    for entry in losses:
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise ValueError(f"{LOSSES_NAME} entries must be [step, loss]")
-        step = as_int(entry[0], ValueError)
-        out[step] = as_float(entry[1], ValueError, finite=False)
-    return out
 
 
 # DCP also warns from the thread that runs an async save, where the ``catch_warnings`` around
@@ -71,19 +54,6 @@ def parse_losses(text: bytes) -> dict[int, float]:
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         module="torch.distributed.checkpoint")
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint", module="torch.distributed.checkpoint")
-
-
-class SaveError(RuntimeError):
-    """A checkpoint save failed; ``step`` names it and ``__cause__`` says why."""
-
-    def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(f"checkpoint save at step {step} failed: {describe(cause)}")
-        self.step = step
-        self.__cause__ = cause
-
-
-class RestoreError(RuntimeError):
-    """No checkpoint could be restored, or the restored state does not match what was saved."""
 
 
 @dataclass
@@ -237,10 +207,10 @@ class CheckpointManager:
         self._n_saves = 0
         self._closed = False
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
-        self._run_id: str = self._broadcast(uuid.uuid4().hex if self.rank == 0 else None)
-        self._loss_window: Optional[tuple[int, list]] = None
-        self._expected_losses: dict[int, float] = {}
-        self.resume_check_failures: list[str] = []
+        self._group: RankGroup = TorchRankGroup(self._pg, enabled=self._pg is not None)
+        self._ctl: RankGroup = TorchRankGroup(self._ctl_pg, enabled=self._pg is not None)
+        self._run_id: str = self._group.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+        self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps, self._write_losses)
         self.last_restore_timings: dict[str, float] = {}
         _LIVE.add(self)
 
@@ -254,7 +224,7 @@ class CheckpointManager:
         """
         self._poll(block=False)
         if self._preempt is not None:
-            signum = self._preempt.agreed(self._ctl_pg)
+            signum = any_signal(self._ctl, self._preempt.signum)
             if signum is not None:
                 log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
                 self.save(step, state, metrics=metrics)
@@ -262,10 +232,8 @@ class CheckpointManager:
                 raise Preempted(step, signum, self.settings.preemption_exit_code)
         elapsed = time.monotonic() - self._last_save_time
         due = self.schedule.should_save(step, elapsed)
-        if self.schedule.needs_time_sync and self._pg is not None:
-            flag = torch.tensor([int(due)], dtype=torch.int32)
-            dist.broadcast(flag, src=0, group=self._ctl_pg)
-            due = bool(flag.item())
+        if self.schedule.needs_time_sync:
+            due = rank0_decides(self._ctl, due)
         if not due:
             return False
         return self.save(step, state, metrics=metrics)
@@ -333,8 +301,8 @@ class CheckpointManager:
             log.info("ckpt_core: auto interval %s s (save cost C=%s s, cluster MTBF M=%s s, expected time lost %s)",
                      _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("mtbf_s")),
                      _fmt(d.get("expected_overhead")))
-        if self.settings.resume_check_steps and self.rank == 0:
-            self._loss_window = (step, [])
+        if self.rank == 0:
+            self._resume_check.saved(step)
         inflight = _InFlight(step=step, future=fut, stats=stats, t_dispatch=t0)
         fut.add_done_callback(lambda _f, i=inflight: setattr(i, "t_done", time.monotonic()))
         self._inflight = inflight
@@ -377,12 +345,7 @@ class CheckpointManager:
 
     def _agree_done(self) -> bool:
         """Whether the in-flight save is done on every rank (so all ranks take the same branch)."""
-        done = self._inflight is None or self._inflight.future.done()
-        if self._pg is None:
-            return done
-        flag = torch.tensor([int(done)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ctl_pg)
-        return bool(flag.item())
+        return all_done(self._ctl, self._inflight is None or self._inflight.future.done())
 
     def _poll(self, block: bool) -> None:
         """Collect the in-flight save if it finished (or wait for it): commit bookkeeping, retention, metrics."""
@@ -451,42 +414,21 @@ class CheckpointManager:
 
     def wants_loss(self, step: int) -> bool:
         """Whether ``record_loss(step, ...)`` would use the loss (lets callers skip a device sync otherwise)."""
-        if self.rank != 0:
-            return False
-        window = self._loss_window
-        return step in self._expected_losses or (window is not None and step > window[0])
+        return self.rank == 0 and self._resume_check.wants(step)
 
     def record_loss(self, step: int, loss: float) -> None:
-        """Record the training loss of ``step`` (rank 0's value is what counts).
+        """Record the training loss of ``step`` (rank 0's value counts): the resume check (``resume_check``)."""
+        if self.rank == 0:
+            self._resume_check.record(step, loss)
 
-        The first ``resume_check_steps`` losses after each save are stored next
-        to that checkpoint; after a resume at the same world size the first
-        losses are compared with them, and a mismatch warns or raises
-        (``resume_check``): the resumed run is not the run that was saved.
-        """
-        if self.rank != 0:
-            return
-        loss = float(loss)
-        if step in self._expected_losses:
-            expected = self._expected_losses.pop(step)
-            if not (loss == expected or abs(loss - expected) <= 1e-6 * max(abs(expected), 1e-12)):
-                msg = (f"resume check: loss at step {step} is {loss!r} after the resume, {expected!r} in the "
-                       f"original run: the resumed run diverged from the saved one")
-                self.resume_check_failures.append(msg)
-                if self.settings.resume_check == "raise":
-                    raise RestoreError(msg)
-                warnings.warn(msg, stacklevel=2)
-                log.warning("ckpt_core: %s", msg)
-            elif not self._expected_losses:
-                log.info("ckpt_core: resume check passed: the first losses match the original run")
-        window = self._loss_window
-        if window is not None and step > window[0]:
-            window[1].append([step, loss])
-            if len(window[1]) >= self.settings.resume_check_steps:
-                self._loss_window = None
-                path = join(self._root_path, step_dirname(window[0]), LOSSES_NAME)
-                body = json.dumps({"step": window[0], "losses": window[1]}).encode()
-                self._retention_futures.append(self._retention.submit(self._write_quiet, path, body))
+    @property
+    def resume_check_failures(self) -> list[str]:
+        """The resume check's mismatches so far (with ``resume_check="warn"``)."""
+        return self._resume_check.failures
+
+    def _write_losses(self, step: int, body: bytes) -> None:
+        path = join(self._root_path, step_dirname(step), LOSSES_NAME)
+        self._retention_futures.append(self._retention.submit(self._write_quiet, path, body))
 
     def _write_quiet(self, path: str, body: bytes) -> None:
         try:
@@ -495,14 +437,14 @@ class CheckpointManager:
             log.warning("ckpt_core: could not record losses at %s: %s", path, e)
 
     def _load_expected_losses(self, rec: CheckpointInfo) -> None:
-        self._expected_losses = {}
-        if self.rank != 0 or self.settings.resume_check == "off" or rec.world_size != self.world_size:
-            return
-        try:
-            fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
-            self._expected_losses = parse_losses(fs.cat_file(join(fs_path, LOSSES_NAME)))
-        except (OSError, ValueError):
-            return
+        expected: dict[int, float] = {}
+        if self.rank == 0 and self.settings.resume_check != "off" and rec.world_size == self.world_size:
+            try:
+                fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
+                expected = parse_losses(fs.cat_file(join(fs_path, LOSSES_NAME)))
+            except (OSError, ValueError):
+                pass
+        self._resume_check.resumed(expected)
 
     def add_metrics_callback(self, cb: Callable[[SaveStats], None]) -> None:
         self._metrics_callbacks.append(cb)
@@ -586,11 +528,11 @@ class CheckpointManager:
         t0 = time.monotonic()
         self.last_restore_timings = {}
         explicit = step is not None or path is not None
-        candidates = self._broadcast(self._candidates(step, path) if self.rank == 0 else None)
+        candidates = self._group.broadcast(self._candidates(step, path) if self.rank == 0 else None)
         if explicit and not candidates:
             raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
         for rec in candidates:
-            problem = self._broadcast(self._problem(rec) if self.rank == 0 else None)
+            problem = self._group.broadcast(self._problem(rec) if self.rank == 0 else None)
             self.last_restore_timings["discover"] = time.monotonic() - t0
             if problem is None:
                 try:
@@ -684,23 +626,9 @@ class CheckpointManager:
                 raise
             return f"cannot be checked: {describe(e)}"
 
-    def _broadcast(self, obj: Any) -> Any:
-        if not _dist_on() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        return box[0]
-
     def _agree(self, problem: Optional[tuple[str, str]]) -> Optional[tuple[str, str]]:
         """The first rank's ``(kind, message)`` problem, on every rank (so every rank takes the same branch)."""
-        if not _dist_on() or dist.get_world_size() == 1:
-            return problem
-        found: list = [None] * dist.get_world_size()
-        dist.all_gather_object(found, problem, group=self._pg)
-        for rank, p in enumerate(found):
-            if p is not None:
-                return (p[0], p[1] if rank == self.rank else f"rank {rank}: {p[1]}")
-        return None
+        return first_problem(self._group, problem)
 
     def _prepare_load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Any, Manifest, dict, dict]:
         """Every rank: read and check the manifest and ``.metadata``, build fresh buffers; agree on problems."""

@@ -12,9 +12,6 @@ import signal
 import threading
 from typing import Any, Optional, Sequence
 
-import torch
-import torch.distributed as dist
-
 log = logging.getLogger("ckpt_core")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -59,15 +56,6 @@ class PreemptionWatcher:
     @property
     def requested(self) -> bool:
         return self.signum is not None
-
-    def agreed(self, group: Any = None) -> Optional[int]:
-        """The signal number if any rank was signalled (same answer on every rank), else None."""
-        local = self.signum or 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            t = torch.tensor([local], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            local = int(t.item())
-        return local or None
 
     def uninstall(self) -> None:
         if not self.installed:

@@ -1,0 +1,230 @@
+"""``RankGroup``: the few collectives the checkpoint code issues, and an in-process fake that checks them.
+
+Every decision that ranks must take alike (is the save in flight done
+everywhere? is a save due by rank 0's clock? which rank saw a problem?) goes
+through a ``RankGroup``. ``TorchRankGroup`` runs them on a gloo process group
+(bounded by the group's timeout); ``run_ranks`` runs N ranks on threads over
+fake groups that fail, naming both call sites, when ranks issue different
+collectives, in another order or on other groups, or when one rank returns
+while another waits: the mistakes that hang real jobs, caught in a unit test.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives at the same position (a real job would hang or mix data)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than its timeout for the other ranks."""
+
+
+class RankGroup(Protocol):
+    """What the checkpoint code needs from a process group."""
+
+    rank: int
+    world_size: int
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_min(self, value: int) -> int: ...
+
+    def all_max(self, value: int) -> int: ...
+
+    def all_gather(self, obj: Any) -> list: ...
+
+
+class TorchRankGroup:
+    """``RankGroup`` over a ``torch.distributed`` group; one rank (no group) answers locally."""
+
+    def __init__(self, group: Any = None, *, enabled: Optional[bool] = None) -> None:
+        on = dist.is_available() and dist.is_initialized() if enabled is None else enabled
+        self.group = group
+        self.rank = dist.get_rank() if on else 0
+        self.world_size = dist.get_world_size(group) if on else 1
+        self._on = on and self.world_size > 1
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._on:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def _reduce(self, value: int, op: Any) -> int:
+        if not self._on:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return int(t.item())
+
+    def all_min(self, value: int) -> int:
+        return self._reduce(value, dist.ReduceOp.MIN)
+
+    def all_max(self, value: int) -> int:
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def all_gather(self, obj: Any) -> list:
+        if not self._on:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+# ------------------------------------------------------------------ decisions
+def all_done(group: RankGroup, done: bool) -> bool:
+    """Whether ``done`` holds on every rank (every rank takes the same branch)."""
+    return bool(group.all_min(int(done)))
+
+
+def rank0_decides(group: RankGroup, decision: bool) -> bool:
+    """Rank 0's ``decision`` on every rank (time-based schedules: one clock decides)."""
+    return bool(group.broadcast(bool(decision), src=0))
+
+
+def any_signal(group: RankGroup, signum: Optional[int]) -> Optional[int]:
+    """A signal number if any rank received one (the highest), else None."""
+    return group.all_max(signum or 0) or None
+
+
+def first_problem(group: RankGroup, problem: Optional[tuple[str, str]]) -> Optional[tuple[str, str]]:
+    """The lowest rank's ``(kind, message)`` problem on every rank; other ranks' messages name that rank."""
+    for rank, p in enumerate(group.all_gather(problem)):
+        if p is not None:
+            return (p[0], p[1] if rank == group.rank else f"rank {rank}: {p[1]}")
+    return None
+
+
+# ----------------------------------------------------------------------- fake
+@dataclass
+class _Call:
+    rank: int
+    op: str
+    group: str
+    site: str
+    value: Any
+
+
+@dataclass
+class _Hub:
+    world_size: int
+    timeout_s: float
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    calls: dict = field(default_factory=dict)  # position -> {rank: _Call}
+    results: dict = field(default_factory=dict)  # position -> list of values by rank
+    positions: list = field(default_factory=list)
+    finished: dict = field(default_factory=dict)  # rank -> call site of its return
+    error: Optional[BaseException] = None
+
+
+def _site() -> str:
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if frame.filename != __file__:
+            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} ({frame.name})"
+    return "?"  # pragma: no cover
+
+
+class FakeRankGroup:
+    """One rank's view of a fake group (``run_ranks`` hands these out); same API as ``TorchRankGroup``."""
+
+    def __init__(self, hub: _Hub, rank: int, name: str = "default") -> None:
+        self._hub, self.rank, self.world_size, self.name = hub, rank, hub.world_size, name
+
+    def subgroup(self, name: str) -> "FakeRankGroup":
+        """Another group over the same ranks (like a second ``new_group``); calls on it are told apart."""
+        return FakeRankGroup(self._hub, self.rank, name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._collective(f"broadcast(src={src})", obj)[src]
+
+    def all_min(self, value: int) -> int:
+        return min(self._collective("all_min", int(value)))
+
+    def all_max(self, value: int) -> int:
+        return max(self._collective("all_max", int(value)))
+
+    def all_gather(self, obj: Any) -> list:
+        return list(self._collective("all_gather", obj))
+
+    def _collective(self, op: str, value: Any) -> list:
+        hub, call = self._hub, _Call(self.rank, op, self.name, _site(), value)
+        with hub.cond:
+            pos = hub.positions[self.rank]
+            hub.positions[self.rank] += 1
+            hub.calls.setdefault(pos, {})[self.rank] = call
+            _check(hub, pos)
+            hub.cond.notify_all()
+            if not hub.cond.wait_for(lambda: hub.error is not None or pos in hub.results, timeout=hub.timeout_s):
+                waiting = ", ".join(f"rank {c.rank} at {c.site}" for c in hub.calls[pos].values())
+                hub.error = CollectiveTimeout(f"{op} on group {self.name!r} waited {hub.timeout_s}s: {waiting}; "
+                                              f"the other ranks never issued it")
+                hub.cond.notify_all()
+            if hub.error is not None:
+                raise hub.error
+            return hub.results[pos]
+
+
+def _check(hub: _Hub, pos: int) -> None:
+    """Called with the lock held: compare the calls at ``pos``; complete it when every rank is there."""
+    calls = hub.calls[pos]
+    first = calls[min(calls)]
+    for c in calls.values():
+        if (c.op, c.group) != (first.op, first.group):
+            hub.error = CollectiveMismatch(
+                f"collective #{pos}: rank {first.rank} issued {first.op} on group {first.group!r} at {first.site}, "
+                f"rank {c.rank} issued {c.op} on group {c.group!r} at {c.site}")
+    for rank, site in hub.finished.items():
+        hub.error = hub.error or CollectiveMismatch(
+            f"collective #{pos}: rank {first.rank} issued {first.op} at {first.site}, but rank {rank} returned "
+            f"at {site} without issuing it")
+    if len(calls) == hub.world_size and hub.error is None:
+        hub.results[pos] = [calls[r].value for r in range(hub.world_size)]
+
+
+def run_ranks(world_size: int, fn: Callable[[FakeRankGroup], Any], timeout_s: float = 10.0) -> list:
+    """Run ``fn(group)`` for every rank on its own thread over one fake hub; their return values by rank.
+
+    Raises ``CollectiveMismatch`` / ``CollectiveTimeout`` (naming the call sites) when the ranks'
+    collectives do not line up, and re-raises the first exception a rank raised.
+    """
+    hub = _Hub(world_size, timeout_s, positions=[0] * world_size)
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(FakeRankGroup(hub, rank))
+        except BaseException as e:  # noqa: BLE001 - reported below, by rank
+            errors[rank] = e
+        with hub.cond:
+            hub.finished[rank] = _site_of_return(hub, rank)
+            for pos, calls in hub.calls.items():
+                if pos not in hub.results and rank not in calls and hub.error is None:
+                    _check(hub, pos)
+            hub.cond.notify_all()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"fake-rank-{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    if hub.error is not None:
+        raise hub.error
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def _site_of_return(hub: _Hub, rank: int) -> str:
+    return f"its return after {hub.positions[rank]} collective(s)"
