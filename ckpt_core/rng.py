@@ -63,7 +63,7 @@ def apply(state: dict[str, torch.Tensor]) -> None:
 def remap_rng_source(rank: int, saved_world_size: int) -> tuple[int, int]:
     """Which saved rank's state rank ``rank`` resumes from, and how far to advance it.
 
-    Pure policy, documented in the README: rank r takes saved rank
+    Pure policy, documented in docs/core.md: rank r takes saved rank
     ``r % saved_world_size``; ``r // saved_world_size`` (0 for ranks that
     existed before) is the number of decorrelating draws applied.
     """

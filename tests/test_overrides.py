@@ -4,13 +4,11 @@ import argparse
 import dataclasses
 import logging
 import re
-from pathlib import Path
 
 import pytest
 
 from ckpt_core.overrides import (
     add_ckpt_arguments,
-    env_name,
     flag_name,
     log_effective_settings,
     parse_value,
@@ -18,11 +16,9 @@ from ckpt_core.overrides import (
     resolve_settings,
     setting_help,
     settings_from_args,
-    settings_table_markdown,
 )
 from ckpt_core.settings import CheckpointSettings
 
-DOCS = Path(__file__).resolve().parents[1] / "README.md"
 FIELDS = [f.name for f in dataclasses.fields(CheckpointSettings)]
 
 
@@ -261,23 +257,3 @@ def test_log_effective_settings(caplog):
     assert re.search(r"dirpath\s+= 'checkpoints'\s+\[default\]", text)
     assert "env CKPT_STORAGE_OPTIONS" in text and "http://s3" in text
     assert "AKIA" not in text and "shh" not in text
-
-
-# --------------------------------------------------------------------- docs
-def test_docs_settings_table_is_complete():
-    """README.md has one row per setting with its default, env var and flag (regenerate: `ckpt settings --markdown`)."""
-    text = DOCS.read_text()
-    start = text.index("### Every setting")
-    docs = text[start:text.index("\n## ", start)]
-    generated = {line.split("|")[1].strip(): line for line in settings_table_markdown().splitlines()[2:]}
-    missing = []
-    for name in FIELDS:
-        row = next((line for line in docs.splitlines() if line.startswith(f"| `{name}` |")), None)
-        if row is None:
-            missing.append(name)
-            continue
-        cells = [c.strip() for c in row.split("|")[1:5]]
-        want = [c.strip() for c in generated[f"`{name}`"].split("|")[1:5]]
-        assert cells == want, f"README.md row of {name} is out of date: {cells} != {want}"
-        assert env_name(name) in row and flag_name(name) in row
-    assert not missing, f"README.md lacks settings {missing}; paste `ckpt settings --markdown` into it"
