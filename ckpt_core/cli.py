@@ -282,120 +282,161 @@ def _group(name: str) -> str:
     return name.split(".", 1)[0]
 
 
+def _read_dcp_metadata(path: str, fs: Any, p: str,
+                       manifest: Optional[Manifest]) -> tuple[Any, Optional[str], bool]:
+    """The DCP metadata of checkpoint ``path``, why it is missing, and whether it is unreadable (invalid)."""
+    if not _exists(fs, join(p, DCP_METADATA_NAME)):
+        return None, f"no {DCP_METADATA_NAME} (DCP metadata)", False
+    from .dcp_io import read_metadata
+
+    try:
+        return read_metadata(path, manifest=manifest), None, False
+    except BaseException as e:  # noqa: BLE001 - a corrupt or crafted .metadata is reported, never run
+        if is_fatal(e):
+            raise
+        return None, f"{DCP_METADATA_NAME} cannot be read: {describe(e)}", True
+
+
+def _manifest_json(m: Manifest) -> dict[str, Any]:
+    """The manifest fields ``inspect --json`` reports."""
+    return {
+        "version": m.version,
+        "step": m.step,
+        "epoch": m.epoch,
+        "world_size": m.world_size,
+        "wall_time": m.wall_time,
+        "permanent": m.permanent,
+        "healthy": m.healthy,
+        "metrics": dict(m.metrics),
+        "versions": dict(m.versions),
+        "bytes": m.total_bytes,
+        "files": {k: {"size": v.size, "crc32c": v.crc32c} for k, v in sorted(m.files.items())},
+    }
+
+
+def _inspect_json(path: str, step: Optional[int], manifest: Optional[Manifest], why: Optional[str],
+                  md_problem: Optional[str], tensors: list[dict[str, Any]], others: list[str]) -> dict[str, Any]:
+    """The body ``inspect --json`` prints: one object, so scripts need not parse the table."""
+    body: dict[str, Any] = {
+        "path": path,
+        "step": step,
+        "committed": manifest is not None,
+        "problem": why,
+        "metadata_problem": md_problem,
+        "manifest": None,
+        "contents": None,
+        "tensors": tensors,
+        "non_tensor_entries": others,
+    }
+    if manifest is not None:
+        body["manifest"] = _manifest_json(manifest)
+        body["contents"] = dict(manifest.contents)
+    return body
+
+
+def _print_manifest(m: Manifest) -> None:
+    """Print the committed manifest's step, save time, flags, size, versions and metrics."""
+    saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time)) if m.wall_time else "-"
+    age = human_age(time.time() - m.wall_time) if m.wall_time else "-"
+    _out(f"  committed:   yes (manifest format version {m.version})")
+    _out(f"  step:        {m.step}    epoch: {m.epoch if m.epoch is not None else '-'}    world size: {m.world_size}")
+    _out(f"  saved:       {saved} ({age} ago)")
+    _out(f"  permanent:   {'yes' if m.permanent else 'no'}    healthy: "
+         f"{'yes' if m.healthy else 'NO (non-finite values when saved)'}")
+    _out(f"  files:       {len(m.files)}, {human_bytes(m.total_bytes)}")
+    if m.versions:
+        _out("  versions:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
+    if m.metrics:
+        _out("  metrics:     " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.metrics.items())))
+
+
+def _print_contents(c: Any) -> None:
+    """Print the state a checkpoint carries, as its manifest describes it (unknown keys too)."""
+    _out("state carried:")
+    if not c:
+        _out("  (the manifest does not describe its contents)")
+        return
+    _out(f"  model:          {'yes' if c.get('model') else 'no'}")
+    _out(f"  optimizers:     {c.get('optimizers', 0)}")
+    _out(f"  schedulers:     {', '.join(c.get('schedulers') or []) or 'none'}")
+    _out(f"  grad scaler:    {c.get('scaler') or 'none'}")
+    _out(f"  RNG states:     {'yes (per rank)' if c.get('rng') else 'no'}")
+    _out(f"  data position:  {c.get('data_position') or 'none'}")
+    _out(f"  extra state:    {', '.join(c.get('extra') or []) or 'none'}")
+    known = {"model", "optimizers", "schedulers", "scaler", "rng", "data_position", "extra"}
+    for k in sorted(set(c) - known):
+        _out(f"  {k + ':':<15} {c[k]}")
+
+
+def _print_tensors(tensors: list[dict[str, Any]], show_all: bool) -> None:
+    """Print the per-group tensor summary and table; per-rank blobs only with ``--all`` (else counted)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for t in tensors:
+        groups.setdefault(_group(t["name"]), []).append(t)
+    summary = ", ".join(f"{g}: {len(ts)} ({human_bytes(sum(t['bytes'] for t in ts))})" for g, ts in groups.items())
+    _out(f"tensors ({summary}):")
+    shown = [t for t in tensors if show_all or _group(t["name"]) != "ranks"]
+    if shown:
+        rows = [["NAME", "SHAPE", "DTYPE", "SIZE", "CHUNKS", "RANKS"]]
+        for t in shown:
+            ranks = t["ranks"]
+            rank_txt = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks"
+            rows.append([t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
+                         human_bytes(t["bytes"]), str(t["chunks"]), rank_txt or "-"])
+        for line in _table(rows, right=(3, 4)):
+            _out("  " + line)
+    hidden = len(tensors) - len(shown)
+    if hidden:
+        _out(f"  ... and {hidden} per-rank state blob(s) (ranks.<r>: RNG, schedulers, counters, data position; "
+             "--all shows them)")
+
+
+def _print_non_tensors(others: list[str]) -> None:
+    """Print the non-tensor entries counted by their parent key (``a.b.*``), or top-level group."""
+    og: dict[str, int] = {}
+    for o in others:
+        key = o.rsplit(".", 1)[0] if o.count(".") >= 2 else _group(o)
+        og[key] = og.get(key, 0) + 1
+    _out("non-tensor entries: " + ", ".join(f"{k}.* ({n})" for k, n in og.items()))
+
+
+def _print_inspect(path: str, manifest: Optional[Manifest], why: Optional[str], md_problem: Optional[str],
+                   metadata: Any, tensors: list[dict[str, Any]], others: list[str], show_all: bool) -> None:
+    """Print ``inspect``'s human-readable report: manifest, carried state, then tensors."""
+    _out(f"checkpoint {path}")
+    if manifest is None:
+        _out(f"  committed:   NO: {why}; it is never loaded")
+    else:
+        _print_manifest(manifest)
+        _print_contents(manifest.contents)
+    if md_problem:
+        _out(f"  DCP metadata:  {md_problem}")
+    if metadata is not None:
+        _print_tensors(tensors, show_all)
+        if others:
+            _print_non_tensors(others)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Show one checkpoint's manifest, carried state and tensors; exit 1 when it is corrupt or unsafe."""
     path = args.path.rstrip("/")
     if _kind(path) != "checkpoint":
         raise CliError(f"{path} is a checkpoint root, not a checkpoint; pick one of its step directories "
                        f"(`ckpt ls {path}`)")
     fs, p = _fs(path)
     manifest, why = _manifest_of(path)
-    metadata, md_problem = None, None
-    invalid = manifest is None and why is not None and why.startswith("unusable")
-    if _exists(fs, join(p, DCP_METADATA_NAME)):
-        from .dcp_io import read_metadata
-
-        try:
-            metadata = read_metadata(path, manifest=manifest)
-        except BaseException as e:  # noqa: BLE001 - a corrupt or crafted .metadata is reported, never run
-            if is_fatal(e):
-                raise
-            md_problem, invalid = f"{DCP_METADATA_NAME} cannot be read: {describe(e)}", True
-    else:
-        md_problem = f"no {DCP_METADATA_NAME} (DCP metadata)"
+    unusable = manifest is None and why is not None and why.startswith("unusable")
+    metadata, md_problem, md_invalid = _read_dcp_metadata(path, fs, p, manifest)
+    invalid = unusable or md_invalid
     if manifest is None and metadata is None:
         raise CliError(f"{path} is not a checkpoint: {why}; {md_problem}")
     tensors, others = _tensor_rows(metadata) if metadata is not None else ([], [])
     step = manifest.step if manifest is not None else parse_step_dirname(path)
     if args.json:
-        body: dict[str, Any] = {
-            "path": path,
-            "step": step,
-            "committed": manifest is not None,
-            "problem": why,
-            "metadata_problem": md_problem,
-            "manifest": None,
-            "contents": None,
-            "tensors": tensors,
-            "non_tensor_entries": others,
-        }
-        if manifest is not None:
-            body["manifest"] = {
-                "version": manifest.version,
-                "step": manifest.step,
-                "epoch": manifest.epoch,
-                "world_size": manifest.world_size,
-                "wall_time": manifest.wall_time,
-                "permanent": manifest.permanent,
-                "healthy": manifest.healthy,
-                "metrics": dict(manifest.metrics),
-                "versions": dict(manifest.versions),
-                "bytes": manifest.total_bytes,
-                "files": {k: {"size": v.size, "crc32c": v.crc32c} for k, v in sorted(manifest.files.items())},
-            }
-            body["contents"] = dict(manifest.contents)
+        body = _inspect_json(path, step, manifest, why, md_problem, tensors, others)
         _out(json.dumps(body, indent=1, allow_nan=True))
         return EXIT_INVALID if invalid else EXIT_OK
-
-    _out(f"checkpoint {path}")
-    if manifest is None:
-        _out(f"  committed:   NO: {why}; it is never loaded")
-    else:
-        m = manifest
-        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time)) if m.wall_time else "-"
-        age = human_age(time.time() - m.wall_time) if m.wall_time else "-"
-        _out(f"  committed:   yes (manifest format version {m.version})")
-        _out(f"  step:        {m.step}    epoch: {m.epoch if m.epoch is not None else '-'}    world size: {m.world_size}")
-        _out(f"  saved:       {saved} ({age} ago)")
-        _out(f"  permanent:   {'yes' if m.permanent else 'no'}    healthy: "
-             f"{'yes' if m.healthy else 'NO (non-finite values when saved)'}")
-        _out(f"  files:       {len(m.files)}, {human_bytes(m.total_bytes)}")
-        if m.versions:
-            _out("  versions:    " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
-        if m.metrics:
-            _out("  metrics:     " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.metrics.items())))
-        c = m.contents
-        _out("state carried:")
-        if not c:
-            _out("  (the manifest does not describe its contents)")
-        else:
-            _out(f"  model:          {'yes' if c.get('model') else 'no'}")
-            _out(f"  optimizers:     {c.get('optimizers', 0)}")
-            _out(f"  schedulers:     {', '.join(c.get('schedulers') or []) or 'none'}")
-            _out(f"  grad scaler:    {c.get('scaler') or 'none'}")
-            _out(f"  RNG states:     {'yes (per rank)' if c.get('rng') else 'no'}")
-            _out(f"  data position:  {c.get('data_position') or 'none'}")
-            _out(f"  extra state:    {', '.join(c.get('extra') or []) or 'none'}")
-            known = {"model", "optimizers", "schedulers", "scaler", "rng", "data_position", "extra"}
-            for k in sorted(set(c) - known):
-                _out(f"  {k + ':':<15} {c[k]}")
-    if md_problem:
-        _out(f"  DCP metadata:  {md_problem}")
-    if metadata is not None:
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for t in tensors:
-            groups.setdefault(_group(t["name"]), []).append(t)
-        summary = ", ".join(f"{g}: {len(ts)} ({human_bytes(sum(t['bytes'] for t in ts))})" for g, ts in groups.items())
-        _out(f"tensors ({summary}):")
-        shown = [t for t in tensors if args.all or _group(t["name"]) != "ranks"]
-        if shown:
-            rows = [["NAME", "SHAPE", "DTYPE", "SIZE", "CHUNKS", "RANKS"]]
-            for t in shown:
-                ranks = t["ranks"]
-                rank_txt = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks"
-                rows.append([t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
-                             human_bytes(t["bytes"]), str(t["chunks"]), rank_txt or "-"])
-            for line in _table(rows, right=(3, 4)):
-                _out("  " + line)
-        hidden = len(tensors) - len(shown)
-        if hidden:
-            _out(f"  ... and {hidden} per-rank state blob(s) (ranks.<r>: RNG, schedulers, counters, data position; "
-                 "--all shows them)")
-        if others:
-            og: dict[str, int] = {}
-            for o in others:
-                key = o.rsplit(".", 1)[0] if o.count(".") >= 2 else _group(o)
-                og[key] = og.get(key, 0) + 1
-            _out("non-tensor entries: " + ", ".join(f"{k}.* ({n})" for k, n in og.items()))
+    _print_inspect(path, manifest, why, md_problem, metadata, tensors, others, args.all)
     return EXIT_INVALID if invalid else EXIT_OK
 
 
@@ -441,7 +482,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _keep_best(text: Optional[str]) -> Optional[tuple]:
     if text is None:
         return None
-    from .overrides import parse_value
+    from .config import parse_value
 
     try:
         return parse_value("keep_best", text)
@@ -525,7 +566,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------- settings
 def cmd_settings(args: argparse.Namespace, flags: list[str]) -> int:
-    from .overrides import resolve_settings, settings_table_markdown
+    from .config import resolve_settings, settings_table_markdown
 
     if args.markdown:
         sys.stdout.write(settings_table_markdown())
@@ -537,9 +578,9 @@ def cmd_settings(args: argparse.Namespace, flags: list[str]) -> int:
     import dataclasses
 
     values = dataclasses.asdict(settings)
-    from .overrides import _redact
+    from .config import redact
 
-    values = {k: _redact(k, v) for k, v in values.items()}
+    values = {k: redact(k, v) for k, v in values.items()}
     if args.json:
         _out(json.dumps({k: {"value": v, "source": sources[k]} for k, v in values.items()}, indent=1, default=str))
         return EXIT_OK
@@ -550,25 +591,17 @@ def cmd_settings(args: argparse.Namespace, flags: list[str]) -> int:
 
 
 # ----------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ckpt",
-        description="Inspect and manage fault-tolerant checkpoints (local paths or fsspec URLs: s3://, gs://, memory://).",
-        epilog="exit codes: 0 ok, 1 verification failed, 2 usage error or not a checkpoint",
-    )
-    parser.add_argument("--version", action="version", version=f"ckpt {__version__}")
-    parser.add_argument("--storage-options", metavar="JSON", default=os.environ.get("CKPT_STORAGE_OPTIONS"),
-                        help="fsspec storage options as a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}' "
-                             "(default: $CKPT_STORAGE_OPTIONS)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of short error messages")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _add_ls(sub: Any) -> None:
+    """The ``ls`` subcommand: list the checkpoints under a root."""
     p = sub.add_parser("ls", help="list the checkpoints under a root", description="List the checkpoints under ROOT, "
                        "oldest first; * marks the newest valid one (what a resuming run loads).")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls, paths=lambda a: [a.root])
 
+
+def _add_inspect(sub: Any) -> None:
+    """The ``inspect`` subcommand: one checkpoint's manifest, tensors and carried state."""
     p = sub.add_parser("inspect", help="show a checkpoint's manifest, tensors and carried state",
                        description="Show the manifest, the tensors (shape, dtype, sharding) and the state a "
                        "checkpoint carries.")
@@ -577,6 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also list the per-rank state blobs")
     p.set_defaults(func=cmd_inspect, paths=lambda a: [a.path])
 
+
+def _add_verify(sub: Any) -> None:
+    """The ``verify`` subcommand: validate a checkpoint or every checkpoint under a root."""
     p = sub.add_parser("verify", help="validate a checkpoint or every checkpoint under a root",
                        description="Check that checkpoints are committed and complete: file sizes against the "
                        "manifest, or CRC32C checksums of every byte with --checksum. Exit 0 when all are valid, 1 "
@@ -586,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify, paths=lambda a: [a.path])
 
+
+def _add_prune(sub: Any) -> None:
+    """The ``prune`` subcommand: delete checkpoints by the retention policy."""
     p = sub.add_parser("prune", help="delete checkpoints by the retention policy",
                        description="Delete the checkpoints the training-side retention policy would delete. "
                        "Never deleted: the newest valid (what a resuming run loads), newest committed and newest "
@@ -599,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.set_defaults(func=cmd_prune, paths=lambda a: [a.root])
 
+
+def _add_export(sub: Any) -> None:
+    """The ``export`` subcommand: consolidate the model weights into one file."""
     p = sub.add_parser("export", help="consolidate the model weights into one file for inference",
                        description="Write the model weights (keys under 'model.', prefix stripped) of a sharded "
                        "checkpoint to one safetensors or torch file. Needs no process group; the optimizer state "
@@ -613,18 +655,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="export even an uncommitted (torn) checkpoint")
     p.set_defaults(func=cmd_export, paths=lambda a: [a.path, a.out])
 
+
+def _add_settings(sub: Any) -> None:
+    """The ``settings`` subcommand: the effective settings and their sources (``main`` dispatches it)."""
     p = sub.add_parser("settings", help="show the effective checkpoint settings and where each comes from",
                        description="Resolve the checkpoint settings from CKPT_<NAME> environment variables and "
                        "--ckpt.<name>=value flags, as a training run would (without its code arguments).")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--markdown", action="store_true", help="print the settings reference table (for the README)")
+    p.add_argument("--markdown", action="store_true", help="print the settings reference table (docs/settings.md)")
     p.set_defaults(func=None, paths=lambda a: [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ckpt`` argument parser: global options, then one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="ckpt",
+        description="Inspect and manage fault-tolerant checkpoints (local paths or fsspec URLs: s3://, gs://, memory://).",
+        epilog="exit codes: 0 ok, 1 verification failed, 2 usage error or not a checkpoint",
+    )
+    parser.add_argument("--version", action="version", version=f"ckpt {__version__}")
+    parser.add_argument("--storage-options", metavar="JSON", default=os.environ.get("CKPT_STORAGE_OPTIONS"),
+                        help="fsspec storage options as a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}' "
+                             "(default: $CKPT_STORAGE_OPTIONS)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of short error messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_ls, _add_inspect, _add_verify, _add_prune, _add_export, _add_settings):
+        add(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``ckpt`` command line; returns the exit code."""
-    from .overrides import pop_ckpt_flags
+    from .config import pop_ckpt_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

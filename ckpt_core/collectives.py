@@ -228,3 +228,32 @@ def run_ranks(world_size: int, fn: Callable[[FakeRankGroup], Any], timeout_s: fl
 
 def _site_of_return(hub: _Hub, rank: int) -> str:
     return f"its return after {hub.positions[rank]} collective(s)"
+
+
+# ------------------------------------------------------------- real groups
+def ensure_process_group() -> None:
+    """DCP's background process needs a process group; give a lone process a 1-rank gloo one."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    store = dist.TCPStore("127.0.0.1", get_free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    import logging
+
+    logging.getLogger("ckpt_core").info(
+        "ckpt_core: started a 1-rank gloo process group for the background checkpoint process")
+
+
+def checkpoint_groups(async_mode: str) -> tuple[Any, Any]:
+    """``(data group, control group)``: gloo groups of their own for the checkpoint code (None on one rank).
+
+    DCP's collectives run on the data group; in ``thread`` mode they run on a
+    background thread, so the training thread's agreements (preemption, "save
+    done?", time sync) use a second group: two threads issuing collectives on
+    one gloo group mismatch them and hang.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, None
+    data = dist.new_group(backend="gloo")
+    return data, dist.new_group(backend="gloo") if async_mode == "thread" else data

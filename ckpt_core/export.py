@@ -141,6 +141,85 @@ def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool,
     return manifest
 
 
+def _check_options(format: str, dtype: Any) -> Optional[torch.dtype]:  # noqa: A002 - the user-facing name
+    """The target dtype, after checking the format is known and its writer is installed (before any I/O)."""
+    if format not in FORMATS:
+        raise ExportError(f"format {format!r} is not supported; use one of {', '.join(FORMATS)}")
+    target = _resolve_dtype(dtype)
+    if format == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise ExportError("format 'safetensors' needs the safetensors package: pip install 'ckpt[export]' "
+                              "(or export with format='torch')") from None
+    return target
+
+
+def _model_metadata(path: str, opts: dict,
+                    checked: Optional[Manifest]) -> tuple[dict[str, TensorStorageMetadata], list[str]]:
+    """The ``model.*`` tensors and skipped entries of ``path``'s DCP metadata; an error when there are none."""
+    try:
+        metadata = read_metadata(path, opts, checked)
+    except BaseException as e:  # noqa: BLE001 - an unreadable or unsafe .metadata: one clear error
+        if is_fatal(e):
+            raise
+        raise InvalidCheckpointError(f"{path}: {DCP_METADATA_NAME} cannot be read: {describe(e)}") from None
+    tensors, skipped = model_tensor_metadata(metadata)
+    if not tensors:
+        raise ExportError(f"{path} holds no model weights: no tensors under '{MODEL_PREFIX}' in its DCP metadata")
+    for fqn in skipped:
+        log.warning("ckpt export: %s is not a tensor (%s); it is not exported", fqn, type(metadata.state_dict_metadata[fqn]).__name__)
+    return tensors, skipped
+
+
+def _load_cast_batch(batch: list[str], tensors: dict[str, TensorStorageMetadata], path: str, opts: dict,
+                     checked: Optional[Manifest], target: Optional[torch.dtype],
+                     weights: dict[str, torch.Tensor]) -> int:
+    """Load one batch into ``weights`` (prefix stripped, cast to ``target``); the bytes loaded at saved precision."""
+    buffers = {
+        fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in batch
+    }
+    _load_batch(buffers, path, opts, checked)
+    loaded = 0
+    for fqn in batch:
+        t = buffers.pop(fqn)
+        loaded += t.numel() * t.element_size()
+        if target is not None and t.is_floating_point() and t.dtype != target:
+            t = t.to(target)
+        weights[fqn[len(MODEL_PREFIX):]] = t
+    return loaded
+
+
+def _load_weights(tensors: dict[str, TensorStorageMetadata], path: str, opts: dict, checked: Optional[Manifest],
+                  target: Optional[torch.dtype], batch_bytes: int, progress: Optional[bool],
+                  on_progress: Optional[Callable[[int], None]]) -> dict[str, torch.Tensor]:
+    """All model weights, loaded batch by batch so peak memory stays at the output plus one saved-precision batch."""
+    from tqdm.auto import tqdm
+
+    total = sum(_nbytes(md) for md in tensors.values())
+    show = sys.stderr.isatty() if progress is None else progress
+    weights: dict[str, torch.Tensor] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not show) as bar:
+        for batch in _batches(tensors, batch_bytes):
+            loaded = _load_cast_batch(batch, tensors, path, opts, checked, target, weights)
+            bar.update(loaded)
+            if on_progress is not None:
+                on_progress(loaded)
+    return weights
+
+
+def _save(weights: dict[str, torch.Tensor], out: str, format: str, path: str,  # noqa: A002
+          step: Optional[int], opts: dict) -> None:
+    """Write ``weights`` to ``out`` with source metadata; ``opts`` apply only when ``out`` is on ``path``'s store."""
+    extra = {"format": "pt", "ckpt.source": str(path)}
+    if step is not None:
+        extra["ckpt.step"] = str(step)
+    from fsspec.core import split_protocol
+
+    same_store = (split_protocol(str(out))[0] or "file") == (split_protocol(str(path))[0] or "file")
+    _write(weights, out, format, extra, opts if same_store else {})
+
+
 def export_model(
     path: str,
     out: str,
@@ -175,71 +254,19 @@ def export_model(
     Raises:
         ExportError: ``path`` is not a (valid) checkpoint, holds no model weights, or an option is bad.
     """
-    if format not in FORMATS:
-        raise ExportError(f"format {format!r} is not supported; use one of {', '.join(FORMATS)}")
-    target = _resolve_dtype(dtype)
-    if format == "safetensors":
-        try:
-            import safetensors.torch  # noqa: F401
-        except ImportError:
-            raise ExportError("format 'safetensors' needs the safetensors package: pip install 'ckpt[export]' "
-                              "(or export with format='torch')") from None
+    target = _check_options(format, dtype)
     opts = dict(storage_options or {})
     manifest = _check_checkpoint(path, verify, allow_uncommitted, opts)
     step = None if manifest is None else manifest.step
     checked = manifest if verify != "none" else None
-    try:
-        metadata = read_metadata(path, opts, checked)
-    except BaseException as e:  # noqa: BLE001 - an unreadable or unsafe .metadata: one clear error
-        if is_fatal(e):
-            raise
-        raise InvalidCheckpointError(f"{path}: {DCP_METADATA_NAME} cannot be read: {describe(e)}") from None
-    tensors, skipped = model_tensor_metadata(metadata)
-    if not tensors:
-        raise ExportError(f"{path} holds no model weights: no tensors under '{MODEL_PREFIX}' in its DCP metadata")
-    for fqn in skipped:
-        log.warning("ckpt export: %s is not a tensor (%s); it is not exported", fqn, type(metadata.state_dict_metadata[fqn]).__name__)
-
-    from tqdm.auto import tqdm
-
-    total = sum(_nbytes(md) for md in tensors.values())
-    show = sys.stderr.isatty() if progress is None else progress
-    weights: dict[str, torch.Tensor] = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not show) as bar:
-        for batch in _batches(tensors, batch_bytes):
-            buffers = {
-                fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in batch
-            }
-            _load_batch(buffers, path, opts, checked)
-            loaded = 0
-            for fqn in batch:
-                t = buffers.pop(fqn)
-                loaded += t.numel() * t.element_size()
-                if target is not None and t.is_floating_point() and t.dtype != target:
-                    t = t.to(target)
-                weights[fqn[len(MODEL_PREFIX):]] = t
-            bar.update(loaded)
-            if on_progress is not None:
-                on_progress(loaded)
-
-    extra = {"format": "pt", "ckpt.source": str(path)}
-    if step is not None:
-        extra["ckpt.step"] = str(step)
-    from fsspec.core import split_protocol
-
-    same_store = (split_protocol(str(out))[0] or "file") == (split_protocol(str(path))[0] or "file")
-    _write(weights, out, format, extra, opts if same_store else {})
+    tensors, skipped = _model_metadata(path, opts, checked)
+    weights = _load_weights(tensors, path, opts, checked, target, batch_bytes, progress, on_progress)
+    _save(weights, out, format, path, step, opts)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     log.info("ckpt export: wrote %d tensors (%d bytes) from %s to %s", len(weights), nbytes, path, out)
-    return ExportResult(
-        out=str(out),
-        format=format,
-        step=step,
-        num_tensors=len(weights),
-        bytes=nbytes,
-        dtype=None if target is None else str(target).replace("torch.", ""),
-        skipped=skipped,
-    )
+    dtype_name = None if target is None else str(target).replace("torch.", "")
+    return ExportResult(out=str(out), format=format, step=step, num_tensors=len(weights), bytes=nbytes,
+                        dtype=dtype_name, skipped=skipped)
 
 
 def _load_batch(buffers: dict[str, torch.Tensor], path: str, opts: dict, manifest: Optional[Manifest]) -> None:

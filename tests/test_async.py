@@ -115,7 +115,7 @@ def test_staging_buffers_are_reused(tmp_path):
     with CheckpointManager(str(tmp_path), async_mode="thread", handle_preemption=False) as m:
         m.save(1, state)
         m.wait()
-        cache = m._stager._state_dict_stager._cached_storage_mapping
+        cache = m._saver.stager._state_dict_stager._cached_storage_mapping
         first = {id(v): v.data_ptr() for v in cache.values()}
         assert len(first) >= 4
         with torch.no_grad():
@@ -227,8 +227,8 @@ def test_host_memory_bound_falls_back_to_synchronous(tmp_path, caplog):
         with CheckpointManager(str(tmp_path), async_mode="thread", max_host_memory_bytes=10_000,
                                handle_preemption=False) as m:
             m.save(1, state)
-            assert m._inflight is None  # already durable when save() returned
-            assert len(m._stager._state_dict_stager._cached_storage_mapping) == 0  # nothing staged
+            assert m._saver.inflight is None  # already durable when save() returned
+            assert len(m._saver.stager._state_dict_stager._cached_storage_mapping) == 0  # nothing staged
     assert any("exceeds max_host_memory_bytes=10000" in r.getMessage() for r in caplog.records)
 
 

@@ -1,0 +1,230 @@
+"""The restorer: discover, choose, load, verify, apply; fall back past what cannot be used.
+
+Rank 0 lists the candidates (newest valid first, or exactly the one asked
+for) and checks each; every rank reads the manifest and ``.metadata``,
+builds fresh buffers and loads through DCP (resharding); nothing is applied
+until the loaded tensors match the saved fingerprint and the state's own
+step and epoch match the manifest. A problem on any rank is agreed on by all,
+so every rank falls back to the same older checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any, Optional
+
+import torch.distributed.checkpoint as dcp
+
+from . import fingerprint as fp
+from .collectives import RankGroup, first_problem
+from .config import CheckpointSettings
+from .dcp_io import SafeLoadPlanner, make_reader
+from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
+from .errors import RestoreError, describe, is_fatal
+from .manifest import Manifest, ManifestError
+from .records import CheckpointInfo
+from .state import RANK_KEY, StateMismatchError, TrainState
+from .storage import get_fs, join
+
+log = logging.getLogger("ckpt_core")
+
+
+class Unloadable(Exception):
+    """This checkpoint cannot be used (every rank agrees); the restorer falls back to an older one."""
+
+
+class Restorer:
+    """Restores checkpoints under ``root`` (or at any path) into a ``TrainState``; collective."""
+
+    def __init__(self, root: str, settings: CheckpointSettings, group: RankGroup, process_group: Any) -> None:
+        self.root, self.settings, self._group, self._pg = root, settings, group, process_group
+        self.fs, self.root_path = get_fs(root, **settings.storage_options)
+        self.timings: dict[str, float] = {}
+
+    def restore(self, state: TrainState, step: Optional[int], path: Optional[str]
+                ) -> tuple[Optional[CheckpointInfo], set[int]]:
+        """The checkpoint restored into ``state`` (None: nothing to restore) and the committed steps listed.
+
+        ``step``/``path`` ask for exactly one checkpoint: a problem with it raises ``RestoreError``;
+        otherwise problems fall back to the next older candidate, with a warning naming them.
+        """
+        t0 = time.monotonic()
+        self.timings = {}
+        explicit = step is not None or path is not None
+        candidates, committed = self._group.broadcast(self._candidates(step, path) if self._group.rank == 0 else None)
+        if explicit and not candidates:
+            raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
+        for rec in candidates:
+            problem = self._group.broadcast(self._problem(rec) if self._group.rank == 0 else None)
+            self.timings["discover"] = time.monotonic() - t0
+            if problem is None:
+                try:
+                    self._load_and_apply(rec, state)
+                    log.info("ckpt_core: restored step %d from %s in %.2fs %s", rec.step, rec.path,
+                             time.monotonic() - t0, self.timings)
+                    return rec, committed
+                except Unloadable as e:
+                    problem = str(e)
+            self._fall_back(rec, problem, explicit)
+        if candidates:
+            raise RestoreError(f"no checkpoint under {self.root} could be restored (tried steps "
+                               f"{[r.step for r in candidates]}); see the warnings above")
+        return None, committed
+
+    def _fall_back(self, rec: CheckpointInfo, problem: str, explicit: bool) -> None:
+        msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
+        if explicit:
+            raise RestoreError(msg)
+        if self._group.rank == 0:
+            warnings.warn(msg + "; falling back to an older checkpoint", stacklevel=4)
+        log.warning("ckpt_core: %s; falling back", msg)
+
+    def owns(self, rec: CheckpointInfo) -> bool:
+        """Whether ``rec`` lies directly under the root (a rollback may then move newer ones aside)."""
+        _, rec_path = get_fs(rec.path, **self.settings.storage_options)
+        return rec_path.rstrip("/").rsplit("/", 1)[0] == self.root_path.rstrip("/")
+
+    def set_aside_newer(self, step: int) -> list[int]:
+        """After a rollback to ``step``, move newer checkpoints to ``rolled_back/<time>/`` (never delete them).
+
+        Rank 0 moves; every rank returns the steps moved (collective).
+        """
+        moved: list[int] = []
+        if self._group.rank == 0:
+            newer = [r for r in list_records(self.root, self.settings.storage_options) if r.step > step]
+            if newer:
+                dest = join(self.root_path, "rolled_back", time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+                self.fs.makedirs(dest, exist_ok=True)
+                for r in newer:
+                    src = get_fs(r.path, **self.settings.storage_options)[1]
+                    self.fs.mv(src, join(dest, src.rstrip("/").rsplit("/", 1)[-1]), recursive=True)
+                    moved.append(r.step)
+                log.warning("ckpt_core: rolled back to step %d; moved newer checkpoints %s to %s", step, moved, dest)
+        return self._group.broadcast(moved)
+
+    # ---------------------------------------------------------------- rank 0
+    def _candidates(self, step: Optional[int], path: Optional[str]) -> tuple[list[CheckpointInfo], set[int]]:
+        if path is not None:
+            fs, fs_path = get_fs(path, **self.settings.storage_options)
+            return [record_at(fs, path.rstrip("/"), fs_path)], set()
+        records = list_records(self.root, self.settings.storage_options)
+        chosen = choose_for_restore(records, step)
+        if step is None:
+            _report_skipped(records, chosen[0].step if chosen else -1)
+        return chosen, {r.step for r in records if r.committed}
+
+    def _read_manifest(self, rec: CheckpointInfo) -> Manifest:
+        fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
+        return read_manifest(fs, fs_path)
+
+    def _problem(self, rec: CheckpointInfo) -> Optional[str]:
+        if not rec.committed:
+            return rec.problem or "not committed"
+        try:
+            manifest = self._read_manifest(rec)
+        except (FileNotFoundError, ManifestError) as e:
+            return f"manifest: {e}"
+        if (manifest.step, manifest.checkpoint_id) != (rec.step, rec.checkpoint_id):
+            return "its manifest changed while it was being restored"
+        try:
+            # every rank unpickles .metadata next (_prepare_load), under the same allowlist
+            return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options,
+                            unpickle_metadata=False)
+        except BaseException as e:  # noqa: BLE001 - any failure to check it means: fall back
+            if is_fatal(e):
+                raise
+            return f"cannot be checked: {describe(e)}"
+
+    # ------------------------------------------------------------- every rank
+    def _prepare_load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Any, Manifest, dict, dict]:
+        """Read and check the manifest and ``.metadata``, build fresh buffers; agree on problems."""
+        problem = None
+        try:
+            manifest = self._read_manifest(rec)
+            reader = make_reader(rec.path, self.settings.storage_options,
+                                 manifest if self.settings.verify != "none" else None)
+            metadata = reader.read_metadata()
+            check_world_size(manifest, metadata)
+            template, wanted = state.load_template(metadata, manifest.world_size)
+        except StateMismatchError as e:
+            problem = ("mismatch", str(e))
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException: fall back on it too
+            if is_fatal(e):
+                raise
+            problem = ("unloadable", f"{describe(e)}")
+        agreed = first_problem(self._group, problem)
+        if agreed is not None:
+            kind, msg = agreed
+            raise StateMismatchError(msg) if kind == "mismatch" else Unloadable(msg)
+        return reader, manifest, template, wanted
+
+    def _load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Manifest, dict, dict]:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        t0 = time.monotonic()
+        reader, manifest, template, wanted = self._prepare_load(rec, state)
+        try:
+            dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
+        except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
+            if is_fatal(e):
+                raise
+            raise Unloadable(f"loading failed: {describe(e)}") from e
+        t1 = time.monotonic()
+        self.timings["load"] = t1 - t0
+        flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
+        diffs = fp.compare(manifest.fingerprint, fp.global_entries(flat, self._pg))
+        if diffs:
+            raise Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
+        try:
+            check_progress(manifest, state.saved_progress(template, wanted))
+        except ValueError as e:
+            raise Unloadable(str(e)) from None
+        self.timings["verify"] = time.monotonic() - t1
+        return manifest, template, wanted
+
+    def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        manifest, template, wanted = self._load(rec, state)
+        t0 = time.monotonic()
+        state.apply(template, wanted, manifest.world_size)
+        t1 = time.monotonic()
+        after, _ = flatten_state_dict(state._model_optim())
+        diffs = fp.compare(manifest.fingerprint, fp.global_entries(after, self._pg))
+        self.timings.update(apply=t1 - t0, verify=self.timings["verify"] + time.monotonic() - t1)
+        if diffs:
+            raise RestoreError(
+                f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "
+                + "; ".join(diffs[:5]))
+
+
+def _report_skipped(records: list[CheckpointInfo], newest: int) -> None:
+    """Say why each checkpoint newer than the one chosen was passed over."""
+    for r in records:
+        if r.step <= newest:
+            continue
+        if r.problem and "unusable" in r.problem:
+            warnings.warn(f"checkpoint {r.path} (step {r.step}) is skipped: {r.problem}", stacklevel=5)
+        elif r.committed and not r.healthy:
+            log.warning("ckpt_core: skipping %s (step %d): saved with non-finite values (unhealthy); "
+                        "restore(step=%d) loads it explicitly", r.path, r.step, r.step)
+        elif not r.committed:
+            log.info("ckpt_core: ignoring %s (step %d): %s", r.path, r.step, r.problem)
+
+
+def check_world_size(manifest: Manifest, metadata: Any) -> None:
+    """The manifest's world size is the number of ranks whose state the checkpoint holds."""
+    ranks = {k.split(".")[1] for k in metadata.state_dict_metadata if k.startswith(f"{RANK_KEY}.")}
+    if ranks and len(ranks) != manifest.world_size:
+        raise Unloadable(f"the manifest says world size {manifest.world_size}, the checkpoint holds the state of "
+                         f"{len(ranks)} rank(s)")
+
+
+def check_progress(manifest: Manifest, saved: tuple[int, int]) -> None:
+    """The restored step and epoch are the manifest's (a manifest or a shard copied from elsewhere is not)."""
+    step, epoch = saved
+    if step != manifest.step or (manifest.epoch is not None and epoch != manifest.epoch):
+        raise Unloadable(f"the checkpoint's state is at step {step}, epoch {epoch}, its manifest says step "
+                         f"{manifest.step}, epoch {manifest.epoch}: its files do not belong together")

@@ -1,0 +1,190 @@
+"""The saver: stage and write one checkpoint at a time, synchronously or in DCP's background process or thread.
+
+It owns DCP's stager (host buffers reused from save to save), chooses the
+mode of each save (``async_mode``, or synchronous when the state exceeds
+``max_host_memory_bytes``), and tracks the save in flight. What a save
+contains and when it is due are the manager's business; commit bookkeeping
+happens when the manager collects a finished save.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from .collectives import RankGroup, all_done
+from .config import CheckpointSettings
+from .dcp_io import make_writer
+from .errors import SaveError, is_fatal
+from .state import TrainState
+
+log = logging.getLogger("ckpt_core")
+
+
+@dataclass
+class SaveStats:
+    """Timing and size of one save, as reported to metric callbacks."""
+
+    step: int
+    blocking_s: float
+    write_s: Optional[float] = None
+    bytes: int = 0
+    committed: bool = False
+    healthy: bool = True
+    interval_s: Optional[float] = None
+    deleted: list = field(default_factory=list)
+    first: bool = False
+
+    @property
+    def throughput_bytes_per_s(self) -> Optional[float]:
+        return self.bytes / self.write_s if self.write_s else None
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes)}
+        if self.write_s is not None:
+            out["ckpt/write_s"] = self.write_s
+        if self.throughput_bytes_per_s is not None:
+            out["ckpt/throughput_MBps"] = self.throughput_bytes_per_s / 1e6
+        if self.interval_s is not None:
+            out["ckpt/interval_s"] = self.interval_s
+        out["ckpt/deleted"] = float(len(self.deleted))
+        return out
+
+
+@dataclass
+class InFlight:
+    """A save that was dispatched and is not collected yet."""
+
+    step: int
+    future: Future
+    stats: SaveStats
+    t_dispatch: float
+    synchronous: bool = False
+    t_done: Optional[float] = None
+
+
+class Saver:
+    """Dispatches saves (``start``) and hands back finished ones (``collect``); one in flight at a time."""
+
+    def __init__(self, settings: CheckpointSettings, process_group: Any, control: RankGroup) -> None:
+        self.settings, self._pg, self._control = settings, process_group, control
+        self.inflight: Optional[InFlight] = None
+        self.stager: Optional[DefaultStager] = None
+        if settings.async_mode != "off":
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=settings.async_mode == "process",
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            ))
+
+    def done_everywhere(self) -> bool:
+        """Whether no rank has a save still writing (collective: every rank takes the same branch)."""
+        return all_done(self._control, self.inflight is None or self.inflight.future.done())
+
+    def start(self, step: int, state: TrainState, path: str, fields: dict, stats: SaveStats) -> InFlight:
+        """Write ``state`` to ``path`` (collective); the save in flight. ``SaveError`` if it could not start."""
+        s = self.settings
+        writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
+                             retries=s.write_retries, backoff_s=s.retry_backoff_s)
+        mode = self._mode_for(state)
+        t0 = time.monotonic()
+        try:
+            fut = self._dispatch(mode, state, writer, DefaultSavePlanner(enable_plan_caching=True))
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if is_fatal(e):
+                raise
+            raise SaveError(step, e) from None
+        stats.blocking_s = time.monotonic() - t0
+        inflight = InFlight(step=step, future=fut, stats=stats, t_dispatch=t0, synchronous=mode == "off")
+        fut.add_done_callback(lambda _f, i=inflight: setattr(i, "t_done", time.monotonic()))
+        self.inflight = inflight
+        return inflight
+
+    def collect(self, block: bool) -> Optional[InFlight]:
+        """The save in flight once it finished (or after waiting for it), else None; ``SaveError`` if it failed."""
+        inflight = self.inflight
+        if inflight is None or (not block and not inflight.future.done()):
+            return None
+        self.inflight = None
+        try:
+            inflight.future.result()
+        except BaseException as e:  # noqa: BLE001 - reported on the training side
+            raise SaveError(inflight.step, e) from None
+        inflight.stats.write_s = (inflight.t_done or time.monotonic()) - inflight.t_dispatch
+        return inflight
+
+    def finish_within(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the save in flight (interpreter exit); False if it is still writing."""
+        if self.inflight is None:
+            return True
+        try:
+            self.inflight.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            log.warning("ckpt_core: the save at step %d did not finish within %.0fs of exit; it stays "
+                        "uncommitted", self.inflight.step, timeout_s)
+            return False
+        except BaseException:  # noqa: BLE001 - reported by collect()
+            pass
+        return True
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+    def _dispatch(self, mode: str, state: TrainState, writer: Any, planner: Any) -> Future:
+        """Run the save synchronously (``off``) or hand it to DCP's async machinery; a future either way."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if mode == "off":
+                dcp.save(state.state_dict(), storage_writer=writer, planner=planner, process_group=self._pg)
+                fut: Future = Future()
+                fut.set_result(None)
+                return fut
+            kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+            return dcp.async_save(state.state_dict(), storage_writer=writer, planner=planner,
+                                  process_group=self._pg, async_checkpointer_type=kind, async_stager=self.stager)
+
+    def _mode_for(self, state: TrainState) -> str:
+        mode, limit = self.settings.async_mode, self.settings.max_host_memory_bytes
+        if mode != "off" and limit is not None:
+            nbytes = state_bytes(state)
+            if nbytes > limit:
+                log.warning("ckpt_core: state of %d bytes exceeds max_host_memory_bytes=%d; saving synchronously "
+                            "(no staging copy) instead of asynchronously", nbytes, limit)
+                return "off"
+        return mode
+
+
+def state_bytes(state: TrainState) -> int:
+    """Bytes of this rank's model and optimizer tensors (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in _iter_tensors(state._model_optim()):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _iter_tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v)
