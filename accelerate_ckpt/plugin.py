@@ -20,26 +20,24 @@ What the adapter itself adds is Accelerate-specific:
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, ResumableLoader, SaveStats, TrainState
+from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, ResumableLoader, TrainState
+from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 from ckpt_core.ddp_layout import fix_bucket_layout
+from ckpt_core.loop import LoopDriver, checkpoint_target, parent, same_root
 from ckpt_core.sampler import find_resumable_sampler
-from ckpt_core.storage import MANIFEST_NAME, basename, get_fs, join, parse_step_dirname, step_dirname
+from ckpt_core.storage import get_fs, join, step_dirname
 
 from . import data as data_mod
 
 log = logging.getLogger("accelerate_ckpt")
-
-from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 
 _ACCELERATE_FORMAT_FILES = ("model.safetensors", "pytorch_model.bin", "random_states_0.pkl", "optimizer.bin")
 
@@ -141,8 +139,7 @@ class CheckpointPlugin:
         self._replaced: dict[int, Any] = {}
         self._wrappers: dict[int, AcceleratedResumableLoader] = {}
         self._step_calls = 0
-        self._pending_metrics: collections.deque[SaveStats] = collections.deque()
-        self._main_thread = threading.get_ident()
+        self._driver: Optional[LoopDriver] = None
         self._warned_no_position = False
         self._orig: dict[str, Any] = {}
 
@@ -210,17 +207,23 @@ class CheckpointPlugin:
         """The core manager for ``settings.dirpath`` (created at first use, on every rank together)."""
         self._check_attached()
         if self._manager is None:
-            self._manager = CheckpointManager(settings=self.settings, metrics_callbacks=[self._on_stats],
-                                              env={}, argv=[])
+            self._manager = CheckpointManager(settings=self.settings, env={}, argv=[])
+            self._driver = LoopDriver(self._manager, self._log_metrics)
         return self._manager
 
+    @property
+    def driver(self) -> LoopDriver:
+        """The loop driver over ``manager`` (steps, metrics on the training thread, restores)."""
+        self.manager  # noqa: B018 - creates the manager and its driver on first use
+        return self._driver
+
     def _manager_for(self, root: Optional[str]) -> CheckpointManager:
-        if root is None or _same_root(root, self.settings.dirpath):
+        if root is None or same_root(root, self.settings.dirpath):
             return self.manager
         key = root.rstrip("/") or root
         if key not in self._extra_managers:
             self._extra_managers[key] = CheckpointManager(
-                settings=self.settings.replace(dirpath=key), metrics_callbacks=[self._on_stats], env={}, argv=[])
+                settings=self.settings.replace(dirpath=key), metrics_callbacks=[self.driver.relay], env={}, argv=[])
         return self._extra_managers[key]
 
     def _managers(self) -> list[CheckpointManager]:
@@ -380,10 +383,7 @@ class CheckpointPlugin:
         if not acc.sync_gradients:
             return False
         self.global_step += 1
-        mgr = self.manager
-        if loss is not None and mgr.wants_loss(self.global_step):
-            mgr.record_loss(self.global_step, _as_float(loss))
-        saved = mgr.maybe_save(self.global_step, self.state(), metrics=dict(metrics) if metrics else None)
+        saved = self.driver.on_step(self.global_step, self.state(), loss=loss, metrics=metrics)
         if saved:
             self._after_save(self.settings.dirpath, self.global_step)
         return saved
@@ -435,25 +435,22 @@ class CheckpointPlugin:
         """Restore checkpoint ``step`` (default: the newest valid) from ``dirpath`` (default: the plugin's root),
         or exactly the checkpoint directory ``path``."""
         self._check_attached()
-        root = self.settings.dirpath if dirpath is None else os.fspath(dirpath)
-        if path is not None:
-            root = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
-        mgr = self._manager_for(root)
         self._find_train_loader()
         state = self.state()
-        info = mgr.restore(state, step=step, path=path)
+        root = None if dirpath is None else os.fspath(dirpath)
+        info = self.driver.restore(state, root=root, step=step, path=None if path is None else os.fspath(path))
         if info is None:
             if required:
-                raise FileNotFoundError(f"no committed checkpoint under {mgr.root}")
+                raise FileNotFoundError(f"no committed checkpoint under {root or self.manager.root}")
             return None
         self.global_step = state.step
         self._epoch = state.epoch
         self.resumed_from = info.step
-        self._last_saved[_root_key(root, self.settings.dirpath)] = info.step
+        self._last_saved[_root_key(parent(info.path), self.settings.dirpath)] = info.step
         if self._train_loader is None and self.accelerator._dataloaders and not self._warned_no_position:
             warnings.warn("accelerate_ckpt: no training data loader was found to restore the data position into; "
                           "call plugin.dataloader(train_dataloader) before plugin.resume()", stacklevel=3)
-        log.info("accelerate_ckpt: resumed from step %d (epoch %d) under %s", info.step, self.epoch, mgr.root)
+        log.info("accelerate_ckpt: resumed from step %d (epoch %d) from %s", info.step, self.epoch, info.path)
         return info
 
     def wait(self) -> None:
@@ -461,6 +458,10 @@ class CheckpointPlugin:
         for mgr in self._managers():
             mgr.wait()
         self._drain_metrics()
+
+    def _drain_metrics(self) -> None:
+        if self._driver is not None:
+            self._driver.drain()
 
     def close(self) -> None:
         """Flush the last save and release the core's resources. Safe to call twice."""
@@ -471,20 +472,13 @@ class CheckpointPlugin:
             self._drain_metrics()
 
     # -------------------------------------------------------------- metrics
-    def _on_stats(self, stats: SaveStats) -> None:
-        self._pending_metrics.append(stats)  # may run on the core's retention thread
-
-    def _drain_metrics(self) -> None:
-        if threading.get_ident() != self._main_thread:
-            return
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
         acc = self.accelerator
-        while self._pending_metrics:
-            stats = self._pending_metrics.popleft()
-            if self.log_metrics and acc is not None and getattr(acc, "trackers", None):
-                try:
-                    acc.log(stats.as_metrics(), step=self.global_step)
-                except Exception as e:  # noqa: BLE001 - logging must not break training
-                    log.warning("accelerate_ckpt: could not log checkpoint metrics: %s", e)
+        if self.log_metrics and acc is not None and getattr(acc, "trackers", None):
+            try:
+                acc.log(metrics, step=self.global_step)
+            except Exception as e:  # noqa: BLE001 - logging must not break training
+                log.warning("accelerate_ckpt: could not log checkpoint metrics: %s", e)
 
     # ---------------------------------------------- accelerator method overrides
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
@@ -517,34 +511,18 @@ class CheckpointPlugin:
         fs, local = get_fs(path, **self.settings.storage_options)
         if not fs.exists(local):
             raise ValueError(f"Tried to find {path} but folder does not exist")
-        step = parse_step_dirname(basename(local))
-        accelerate_format = any(fs.exists(join(local, f)) for f in _ACCELERATE_FORMAT_FILES)
-        if accelerate_format:
+        if any(fs.exists(join(local, f)) for f in _ACCELERATE_FORMAT_FILES):
             log.info("accelerate_ckpt: %s is in Accelerate's own format; loading it with Accelerate's load_state",
                      path)
             self._orig["load_state"](input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
             return
-        if step is not None or fs.exists(join(local, MANIFEST_NAME)):  # one checkpoint: exactly it
-            self.restore(path=path)
-            return
-        self.restore(dirpath=path)
+        target = checkpoint_target(path, self.settings.storage_options)  # one checkpoint, or a root
+        self.restore(path=target.get("path"), dirpath=target.get("root"))
 
     def _end_training(self) -> None:
         self.close()
         self._orig["end_training"]()
 
 
-def _as_float(loss: Any) -> float:
-    if isinstance(loss, torch.Tensor):
-        return float(loss.detach().float().mean().item())
-    return float(loss)
-
-
 def _root_key(root: str, default: str) -> str:
-    return "" if _same_root(root, default) else root.rstrip("/")
-
-
-def _same_root(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.abspath(a) == os.path.abspath(b)
+    return "" if same_root(root, default) else root.rstrip("/")

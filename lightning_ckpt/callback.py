@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import random
 import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -41,7 +38,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState
 from ckpt_core.config import log_effective_settings, resolve_entry_point, schema
 from ckpt_core.coordination import all_ranks_agree
+from ckpt_core import rng
 from ckpt_core.ddp_layout import fix_bucket_layout
+from ckpt_core.loop import LoopDriver, checkpoint_target, parent
 from ckpt_core.discovery import list_records
 from ckpt_core.storage import get_fs, parse_step_dirname
 
@@ -169,7 +168,7 @@ class DistributedCheckpoint(Checkpoint):
         self._boundary: Optional[tuple[int, int]] = None
         self._val_rng: Optional[dict] = None
         self._validating_in_fit = False
-        self._metrics: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
+        self._driver: Optional[LoopDriver] = None
 
     def _runtime_settings(self, trainer: "pl.Trainer") -> CheckpointSettings:
         """The resolved settings, with what only the trainer knows filled in where nothing set it."""
@@ -202,7 +201,12 @@ class DistributedCheckpoint(Checkpoint):
         self.manager = CheckpointManager(settings=self.settings, env={}, argv=[])
         if trainer.is_global_zero:
             log_effective_settings(self.settings, self.sources, logger=log)
-            self.manager.add_metrics_callback(lambda stats: self._metrics.put(stats.as_metrics()))
+
+        def log_metrics(metrics: dict[str, float]) -> None:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+        self._driver = LoopDriver(self.manager, log_metrics if trainer.is_global_zero else None)
         if not any(getattr(self.settings, k) for k in ("every_n_steps", "every_seconds", "interval")):
             rank_zero_warn("DistributedCheckpoint has no save trigger (every_n_train_steps, train_time_interval, "
                            "interval='auto'): it saves only on preemption or exception")
@@ -297,16 +301,8 @@ class DistributedCheckpoint(Checkpoint):
         rank_zero_info(f"DistributedCheckpoint: resumed from step {rec.step} ({rec.path})")
 
     def _restore_path(self, path: str) -> Any:
-        root, step = _split_ckpt_path(path)
-        manager, state = self.manager, self.state
-        if step is not None:  # one checkpoint directory: exactly it (a rollback when it is under our root)
-            return manager.restore(state, path=str(path).rstrip("/"))
-        if _same_root(root, manager.root):
-            return manager.restore(state)
-        other_settings = manager.settings.replace(dirpath=root, async_mode="off", handle_preemption=False,
-                                                  resume=True, resume_step=None)
-        with CheckpointManager(settings=other_settings, env={}, argv=[]) as other:
-            return other.restore(state, set_aside_newer=False)
+        """``fit(ckpt_path=...)``: one checkpoint directory, or a root (its newest valid checkpoint)."""
+        return self._driver.restore(self.state, **checkpoint_target(path, self.settings.storage_options))
 
     # ------------------------------------------------------------------- save
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -318,24 +314,20 @@ class DistributedCheckpoint(Checkpoint):
         if loader is not None:
             loader.mark_trained()
         if self._validating_in_fit:
-            self._val_rng = _rng_snapshot()  # validation must not move the training RNG (on_validation_end)
+            self._val_rng = rng.capture()  # validation must not move the training RNG (on_validation_end)
         step = trainer.global_step
         if step == self._last_step:
             return  # no optimizer step on this batch (gradient accumulation)
         self._last_step = step
         self._boundary = (step, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-        loss = _loss_of(outputs)
-        if loss is not None and manager.wants_loss(step):
-            manager.record_loss(step, loss)
         state.dataloader = loader
-        manager.maybe_save(step, state, metrics=self._monitored(trainer))
-        self._flush_metrics(trainer)
+        self._driver.on_step(step, state, loss=_loss_of(outputs), metrics=self._monitored(trainer))
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A resumed run skips the validation that ran right after its checkpoint (Lightning counts it as
         # done), so validation must leave the training RNG where it was for the two runs to stay identical.
         if self._val_rng is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            _rng_restore(self._val_rng)
+            rng.apply(self._val_rng)
 
     def _current_loader(self) -> Optional[ResumableTrainLoader]:
         current = getattr(self._source, "current", None)
@@ -347,20 +339,10 @@ class DistributedCheckpoint(Checkpoint):
             return {}
         return {keep_best[0]: float(trainer.callback_metrics[keep_best[0]])}
 
-    def _flush_metrics(self, trainer: "pl.Trainer") -> None:
-        while True:
-            try:
-                metrics = self._metrics.get_nowait()
-            except queue.Empty:
-                return
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-
     # ------------------------------------------------------------ end, faults
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.manager is not None:
-            self.manager.wait()
-            self._flush_metrics(trainer)
+        if self._driver is not None:
+            self._driver.finish()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -396,7 +378,7 @@ class DistributedCheckpoint(Checkpoint):
                               else "the state is not at a step boundary"))
             return
         if trainer.validating and self._val_rng is not None:
-            _rng_restore(self._val_rng)  # interrupted validation: the training RNG as validation found it
+            rng.apply(self._val_rng)  # interrupted validation: the training RNG as validation found it
         try:
             self.state.dataloader = self._current_loader()
             if self.manager.save(step, self.state, metrics=self._monitored(trainer)):
@@ -424,7 +406,8 @@ class DistributedCheckpoint(Checkpoint):
                     log.warning("lightning_ckpt: closing the checkpoint manager failed: %s", e)
         finally:
             _forget_core_signal_handlers(trainer)
-            self._flush_metrics(trainer)
+            if self._driver is not None:
+                self._driver.drain()
             if self._source is not None:
                 self._source.restore_original()
             if self._connector_patched is not None:
@@ -451,31 +434,6 @@ def _forget_core_signal_handlers(trainer: "pl.Trainer") -> None:
             saved[signum] = signal.getsignal(signum)
 
 
-def _rng_snapshot() -> dict[str, Any]:
-    """This process's generators, cheaply (no conversion): python, numpy, torch CPU and CUDA."""
-    snap: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        snap["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        snap["cuda"] = torch.cuda.get_rng_state_all()
-    return snap
-
-
-def _rng_restore(snap: dict[str, Any]) -> None:
-    random.setstate(snap["python"])
-    torch.set_rng_state(snap["torch"])
-    if "numpy" in snap:
-        import numpy as np
-
-        np.random.set_state(snap["numpy"])
-    if "cuda" in snap:
-        torch.cuda.set_rng_state_all(snap["cuda"])
-
-
 def _loss_of(outputs: Any) -> Any:
     if outputs is None:
         return None
@@ -484,19 +442,6 @@ def _loss_of(outputs: Any) -> Any:
     if hasattr(outputs, "detach"):
         return outputs.detach()
     return outputs if isinstance(outputs, (int, float)) else None
-
-
-def _parent(url: str) -> str:
-    url = url.rstrip("/")
-    return url.rsplit("/", 1)[0] if "/" in url else "."
-
-
-def _split_ckpt_path(path: str) -> tuple[str, Optional[int]]:
-    """``(root, step)`` for a step directory, ``(root, None)`` for a checkpoint root."""
-    step = parse_step_dirname(str(path).rstrip("/"))
-    if step is not None:
-        return _parent(str(path)), step
-    return str(path).rstrip("/"), None
 
 
 def _is_ours(path: Any) -> bool:
@@ -511,11 +456,6 @@ def _is_ours(path: Any) -> bool:
         return False
 
 
-def _same_root(a: str, b: str) -> bool:
-    (fa, pa), (fb, pb) = get_fs(a), get_fs(b)
-    return type(fa) is type(fb) and pa.rstrip("/") == pb.rstrip("/")
-
-
 def _warn_if_earlier_versions(logger_dir: str, path: str) -> None:
     """Warn when the default dirpath (a new logger version) misses checkpoints of an earlier version."""
     try:
@@ -527,5 +467,5 @@ def _warn_if_earlier_versions(logger_dir: str, path: str) -> None:
         return
     if earlier:
         rank_zero_warn(f"DistributedCheckpoint: this run saves to {path} (the logger's new version), but "
-                       f"{_parent(earlier[-1])} holds checkpoints of an earlier run that this run does not resume "
+                       f"{parent(earlier[-1])} holds checkpoints of an earlier run that this run does not resume "
                        "from; pass DistributedCheckpoint(dirpath=...) to resume across restarts")

@@ -1,0 +1,124 @@
+"""What both framework adapters need from a training loop, in one place.
+
+``LoopDriver`` wraps a ``CheckpointManager`` for a loop that a framework
+drives: ``on_step`` records the loss (for the resume check) and saves when
+due; save metrics produced on the core's background thread reach the
+framework's loggers on the training thread (``drain``); ``restore`` takes the
+newest valid checkpoint, one checkpoint directory (whatever its name), or
+another root. The
+helpers ``same_root`` and ``split_checkpoint_path`` are the one rule for
+"which root is this" and "is this a checkpoint directory".
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from .manager import CheckpointManager
+from .records import CheckpointInfo
+from .saver import SaveStats
+from .state import TrainState
+from .storage import MANIFEST_NAME, get_fs, join, parse_step_dirname
+
+MetricsSink = Callable[[dict[str, float]], None]
+
+
+def same_root(a: str, b: str, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
+    """Whether two paths or URLs name the same directory (same filesystem type, same normalised path)."""
+    opts = dict(storage_options or {})
+    (fa, pa), (fb, pb) = get_fs(str(a), **opts), get_fs(str(b), **opts)
+    return type(fa) is type(fb) and pa.rstrip("/") == pb.rstrip("/")
+
+
+def parent(url: str) -> str:
+    """The directory holding ``url`` (``.`` for a bare name)."""
+    url = str(url).rstrip("/")
+    return url.rsplit("/", 1)[0] if "/" in url else "."
+
+
+def split_checkpoint_path(path: str) -> tuple[str, Optional[int]]:
+    """``(root, step)`` for a ``step_<N>``/``checkpoint_<N>`` directory, ``(path, None)`` for anything else."""
+    path = str(path).rstrip("/")
+    step = parse_step_dirname(path)
+    return (parent(path), step) if step is not None else (path, None)
+
+
+def checkpoint_target(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> dict[str, str]:
+    """``{"path": ...}`` when ``path`` is one checkpoint (``step_<N>``, or any directory holding a manifest),
+    else ``{"root": ...}``: the arguments of ``LoopDriver.restore`` for a path a user gave."""
+    path = str(path).rstrip("/")
+    if parse_step_dirname(path) is not None:
+        return {"path": path}
+    fs, local = get_fs(path, **dict(storage_options or {}))
+    return {"path": path} if fs.exists(join(local, MANIFEST_NAME)) else {"root": path}
+
+
+def loss_value(loss: Any) -> Optional[float]:
+    """A loss as a float (a tensor's mean), or None when there is none."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        return float(loss.detach().float().mean().item())
+    return float(loss)
+
+
+class LoopDriver:
+    """A manager driven by a framework's hooks: step, metrics on the training thread, restore from anywhere."""
+
+    def __init__(self, manager: CheckpointManager, sink: Optional[MetricsSink] = None) -> None:
+        self.manager = manager
+        self._sink = sink
+        self._pending: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
+        if sink is not None:
+            manager.add_metrics_callback(self.relay)
+
+    def relay(self, stats: SaveStats) -> None:
+        """Queue the metrics of a save for ``drain`` (any thread; the metrics callback of a manager)."""
+        self._pending.put(stats.as_metrics())  # may run on the core's retention thread
+
+    def drain(self) -> None:
+        """Hand the save metrics collected so far to the sink (call on the training thread)."""
+        while self._sink is not None:
+            try:
+                metrics = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            self._sink(metrics)
+
+    def on_step(self, step: int, state: TrainState, loss: Any = None,
+                metrics: Optional[Mapping[str, float]] = None) -> bool:
+        """One optimizer step done: record the loss when the resume check wants it, save when due."""
+        manager = self.manager
+        if loss is not None and manager.wants_loss(step):
+            manager.record_loss(step, loss_value(loss))
+        saved = manager.maybe_save(step, state, metrics=dict(metrics) if metrics else None)
+        self.drain()
+        return saved
+
+    def restore(self, state: TrainState, *, root: Optional[str] = None, step: Optional[int] = None,
+                path: Optional[str] = None) -> Optional[CheckpointInfo]:
+        """Restore exactly the checkpoint directory ``path``, or ``step`` (default: the newest valid) under ``root``.
+
+        ``root`` defaults to the manager's. Another root is read with a
+        temporary synchronous manager (no preemption handling, no background
+        writer, no process groups of its own beyond DCP's), and nothing under
+        it is moved or deleted. ``checkpoint_target`` turns a path a user
+        gave into these arguments.
+        """
+        manager = self.manager
+        if path is not None:  # exactly it (a rollback when it lies under the manager's root)
+            return manager.restore(state, path=str(path).rstrip("/"))
+        if root is None or same_root(root, manager.root, manager.settings.storage_options):
+            return manager.restore(state, step=step)
+        other = manager.settings.replace(dirpath=str(root), async_mode="off", handle_preemption=False, resume=True,
+                                         resume_step=None, every_n_steps=None, every_seconds=None, interval=None)
+        with CheckpointManager(settings=other, env={}, argv=[]) as reader:
+            return reader.restore(state, step=step, set_aside_newer=False)
+
+    def finish(self) -> None:
+        """Wait for the last save to commit and hand over its metrics."""
+        self.manager.wait()
+        self.drain()
