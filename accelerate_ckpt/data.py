@@ -23,12 +23,13 @@ placement, ``GradientState``, ``end_of_dataloader``), built by Accelerate's own
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader
 
-from ckpt_core.sampler import ResumableDistributedSampler, find_resumable_sampler
+from ckpt_core.data import LoaderSpec, NotRebuildable, ResumableDistributedSampler, find_resumable_sampler
+from ckpt_core.data.stock import random_sampler_types
 
 log = logging.getLogger("accelerate_ckpt")
 
@@ -57,15 +58,6 @@ def _stateful_classes() -> tuple[type, ...]:
     return (StatefulDataLoader,)
 
 
-def _torchdata_samplers() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    try:
-        from torchdata.stateful_dataloader.sampler import BatchSampler as TDBatchSampler
-        from torchdata.stateful_dataloader.sampler import RandomSampler as TDRandomSampler
-    except ImportError:
-        return (RandomSampler,), (BatchSampler,)
-    return (RandomSampler, TDRandomSampler), (BatchSampler, TDBatchSampler)
-
-
 def is_rebuilt(loader: Any) -> bool:
     return bool(getattr(loader, REBUILT_FLAG, False)) or find_resumable_sampler(loader) is not None or (
         find_resumable_sampler(getattr(loader, "base_dataloader", None)) is not None
@@ -83,67 +75,38 @@ def is_stateful(loader: Any) -> bool:
     return isinstance(base, classes)
 
 
-def _spec(loader: Any, accelerator: Any) -> tuple[Optional[dict], str]:
-    """What is needed to rebuild ``loader`` (a raw DataLoader or one Accelerate prepared), or why it cannot be."""
+def _prepared_spec(loader: Any, base: Any) -> Union[LoaderSpec, NotRebuildable]:
+    """The core's spec of a loader Accelerate prepared: its ``BatchSamplerShard`` unwrapped.
+
+    The sampler's generator is not the user's there (Accelerate may have put
+    one drawn from the global RNG), so the seed comes from ``initial_seed``
+    (``SeedableRandomSampler``) or from the accelerator.
+    """
+    if type(loader).__name__ == "DataLoaderDispatcher" or getattr(loader, "split_batches", False):
+        return NotRebuildable("it dispatches or splits batches")
+    from accelerate.data_loader import BatchSamplerShard, get_sampler
+
+    batcher = loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
+    if isinstance(batcher, BatchSamplerShard):
+        if batcher.split_batches:
+            return NotRebuildable("it splits batches")
+        batcher = batcher.batch_sampler
+    return LoaderSpec.from_parts(loader.dataset, get_sampler(loader), batcher, getattr(batcher, "batch_size", None),
+                                 getattr(batcher, "drop_last", False), kwargs_source=base, use_generator_seed=False)
+
+
+def _spec(loader: Any) -> Union[LoaderSpec, NotRebuildable]:
+    """What is needed to rebuild ``loader`` (a raw DataLoader or one Accelerate prepared), or why it cannot be.
+
+    The core's rules (``LoaderSpec``), plus one of Accelerate's: it shards
+    the batches itself, so a loader whose ``DistributedSampler`` already
+    shards is left to it.
+    """
     base = getattr(loader, "base_dataloader", None)
-    prepared = base is not None
-    dataset = loader.dataset
-    if isinstance(dataset, IterableDataset):
-        return None, "it reads an IterableDataset (its position is the loader's own state, if any)"
-    try:
-        n = len(dataset)
-    except TypeError:
-        return None, "its dataset has no len()"
-    random_types, batch_types = _torchdata_samplers()
-    if prepared:
-        if type(loader).__name__ == "DataLoaderDispatcher" or getattr(loader, "split_batches", False):
-            return None, "it dispatches or splits batches"
-        from accelerate.data_loader import BatchSamplerShard, get_sampler
-
-        bs_obj = loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
-        if isinstance(bs_obj, BatchSamplerShard):
-            if bs_obj.split_batches:
-                return None, "it splits batches"
-            inner = bs_obj.batch_sampler
-        else:
-            inner = bs_obj
-        if type(inner) not in batch_types:
-            return None, f"its batch sampler is a custom {type(inner).__name__}"
-        sampler = get_sampler(loader)
-        batch_size, drop_last = inner.batch_size, inner.drop_last
-        kw_source = base
-    else:
-        if type(loader.batch_sampler) not in batch_types or loader.batch_size is None:
-            return None, "it has a custom batch sampler"
-        sampler = loader.sampler
-        batch_size, drop_last = loader.batch_size, loader.drop_last
-        kw_source = loader
-    if isinstance(sampler, random_types):
-        if sampler.replacement or sampler.num_samples != n:
-            return None, "its RandomSampler draws with replacement or a custom number of samples"
-        shuffle = True
-    elif isinstance(sampler, SequentialSampler):
-        shuffle = False
-    else:
-        return None, f"its sampler is a custom {type(sampler).__name__}"
-    from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS
-
-    ignore = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
-    kwargs = {k: getattr(kw_source, k, d) for k, d in _PYTORCH_DATALOADER_KWARGS.items() if k not in ignore}
-    seed = None
-    gen = getattr(sampler, "generator", None)
-    if gen is not None and not prepared:
-        seed = gen.initial_seed()
-    elif getattr(sampler, "initial_seed", None) is not None:  # Accelerate's SeedableRandomSampler
-        seed = int(sampler.initial_seed)
-    return {
-        "dataset": dataset,
-        "batch_size": int(batch_size),
-        "drop_last": bool(drop_last),
-        "shuffle": shuffle,
-        "seed": seed,
-        "kwargs": kwargs,
-    }, ""
+    spec = LoaderSpec.from_dataloader(loader) if base is None else _prepared_spec(loader, base)
+    if isinstance(spec, LoaderSpec) and spec.sharding is not None:
+        return NotRebuildable("its sampler is a DistributedSampler (Accelerate shards the batches itself)")
+    return spec
 
 
 def why_not_rebuildable(loader: Any, accelerator: Any) -> Optional[str]:
@@ -159,14 +122,13 @@ def why_not_rebuildable(loader: Any, accelerator: Any) -> Optional[str]:
         return "split_batches=True"
     if accelerator.dispatch_batches:
         return "dispatch_batches=True"
-    spec, reason = _spec(loader, accelerator)
-    return None if spec is not None else reason
+    spec = _spec(loader)
+    return spec.reason if isinstance(spec, NotRebuildable) else None
 
 
 def is_shuffled(loader: Any) -> bool:
     """Whether a raw DataLoader shuffles (the mark of a training loader)."""
-    random_types, _ = _torchdata_samplers()
-    return isinstance(getattr(loader, "sampler", None), random_types)
+    return isinstance(getattr(loader, "sampler", None), random_sampler_types())
 
 
 def _agreed_seed(accelerator: Any, seed: Optional[int]) -> int:
@@ -197,24 +159,24 @@ def rebuild(accelerator: Any, loader: Any, device_placement: Optional[bool] = No
     reason = why_not_rebuildable(loader, accelerator)
     if reason is not None:
         raise ValueError(f"cannot rebuild this data loader on a resumable sampler: {reason}")
-    spec, _ = _spec(loader, accelerator)
-    assert spec is not None
-    seed = _agreed_seed(accelerator, spec["seed"])
+    spec = _spec(loader)
+    assert isinstance(spec, LoaderSpec)
+    seed = _agreed_seed(accelerator, spec.seed)
     sampler = ResumableDistributedSampler(
-        spec["dataset"],
+        spec.dataset,
         num_replicas=accelerator.num_processes,
         rank=accelerator.process_index,
-        shuffle=spec["shuffle"],
+        shuffle=spec.shuffle,
         seed=seed,
-        drop_last=spec["drop_last"],
+        drop_last=spec.drop_last,
     )
-    batch_sampler = ShardedBatchSampler(sampler, spec["batch_size"], spec["drop_last"])
-    kwargs = dict(spec["kwargs"])
+    batch_sampler = ShardedBatchSampler(sampler, spec.batch_size, spec.drop_last)
+    kwargs = dict(spec.kwargs)
     # A private generator: the per-iterator base seed (worker seeds) no longer comes from the global RNG.
     generator = torch.Generator()
     generator.manual_seed(seed)
     kwargs["generator"] = generator
-    raw = DataLoader(spec["dataset"], batch_sampler=batch_sampler, **kwargs)
+    raw = DataLoader(spec.dataset, batch_sampler=batch_sampler, **kwargs)
     if device_placement is None:
         device_placement = accelerator.device_placement
     prepared = prepare_data_loader(

@@ -32,7 +32,7 @@ from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, Res
 from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, checkpoint_target, parent, same_root
-from ckpt_core.sampler import find_resumable_sampler
+from ckpt_core.data import find_resumable_sampler
 from ckpt_core.storage import get_fs, join, step_dirname
 
 from . import data as data_mod

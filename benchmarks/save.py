@@ -759,7 +759,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     a.repeats = a.repeats if a.repeats is not None else (3 if q else 5)
     a.saves = a.saves if a.saves is not None else 1
     if a.writer_threads is None:
-        from ckpt_core.settings import CheckpointSettings
+        from ckpt_core.config import CheckpointSettings
 
         a.writer_threads = CheckpointSettings().writer_threads
     a.sweep_writer_threads = a.sweep_writer_threads if a.sweep_writer_threads is not None else ([] if q else [1, 2])

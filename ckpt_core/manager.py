@@ -32,11 +32,11 @@ from .manifest import ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
 from .records import CheckpointInfo
 from .restorer import Restorer
-from .resume_check import LOSSES_NAME, ResumeCheck, parse_losses
+from .resume_check import LOSSES_NAME, ResumeCheck, recorded_losses
 from .retainer import Retainer
 from .retention import build_policy, mark_permanent
 from .roots import check_root
-from .saver import InFlight, Saver, SaveStats
+from .saver import Saver, SaveStats
 from .schedule import SaveSchedule
 from .state import TrainState
 from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
@@ -95,9 +95,15 @@ class CheckpointManager:
         self.policy = build_policy(keep_last=s.keep_last, keep_every_n_steps=s.keep_every_n_steps,
                                    keep_every_seconds=s.keep_every_seconds, keep_best=s.keep_best)
         self._saver = Saver(s, self._pg, self._ctl)
-        self._retainer = Retainer(self.policy, self.list, self._delete, active=self.rank == 0)
+        self._retainer = Retainer(self.policy, self.list, lambda rec: _delete(self.fs, rec, s.storage_options),
+                                  active=self.rank == 0)
         self._restorer = Restorer(self.root, s, self._group, self._pg)
-        self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps, self._write_losses)
+
+        def write_losses(step: int, body: bytes) -> None:
+            path = join(self._root_path, step_dirname(step), LOSSES_NAME)
+            self._retainer.submit(_write_quiet, self.fs, path, body)
+
+        self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps, write_losses)
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
         self._metrics_callbacks = list(metrics_callbacks)
         self._committed: set[int] = set()
@@ -163,7 +169,11 @@ class CheckpointManager:
         except SaveError as e:
             self._save_failed(e)
             return False
-        self._started(step, stats)
+        self._last_save_time = time.monotonic()
+        self.schedule.record_cost(stats.blocking_s)
+        if self.rank == 0:
+            _log_auto_interval(self.schedule, self.settings.interval)
+            self._resume_check.saved(step)
         if inflight.synchronous:
             self._poll(block=True)
         return True
@@ -183,17 +193,6 @@ class CheckpointManager:
         self._poll(block=True)
         return True
 
-    def _started(self, step: int, stats: SaveStats) -> None:
-        self._last_save_time = time.monotonic()
-        self.schedule.record_cost(stats.blocking_s)
-        if self.settings.interval == "auto" and self.rank == 0:
-            d = self.schedule.describe()
-            log.info("ckpt_core: auto interval %s s (save cost C=%s s, cluster MTBF M=%s s, expected time lost %s)",
-                     _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("mtbf_s")),
-                     _fmt(d.get("expected_overhead")))
-        if self.rank == 0:
-            self._resume_check.saved(step)
-
     def _poll(self, block: bool) -> None:
         """Collect the in-flight save if it finished (or wait for it): commit bookkeeping, retention, metrics."""
         try:
@@ -207,27 +206,15 @@ class CheckpointManager:
         stats.committed = True
         self._committed.add(inflight.step)
         if self.rank == 0:
-            if not self._read_commit(inflight):
+            failure = _read_commit(self.fs, join(self._root_path, step_dirname(inflight.step)), stats)
+            if failure is not None:
+                self._save_failed(failure)
                 return
             self._retainer.submit(self._retain, stats)
         else:
             self._report(stats)
         log.info("ckpt_core: committed step %d (stall %.3fs, write %.3fs, %d bytes)",
                  stats.step, stats.blocking_s, stats.write_s, stats.bytes)
-
-    def _read_commit(self, inflight: InFlight) -> bool:
-        """Rank 0: the committed manifest's size and health into the stats; False (reported) if it is missing."""
-        stats = inflight.stats
-        try:
-            manifest = read_manifest(self.fs, join(self._root_path, step_dirname(inflight.step)))
-        except (FileNotFoundError, ManifestError) as e:
-            self._save_failed(SaveError(inflight.step, RuntimeError(f"the manifest was not committed: {e}")))
-            return False
-        stats.bytes, stats.healthy = manifest.total_bytes, manifest.healthy
-        if not manifest.healthy:
-            log.warning("ckpt_core: checkpoint at step %d holds non-finite values; it is kept but marked unhealthy "
-                        "and will not be chosen for automatic resume", inflight.step)
-        return True
 
     def _save_failed(self, err: SaveError) -> None:
         if self.settings.on_save_error == "raise":
@@ -243,9 +230,6 @@ class CheckpointManager:
 
         stats.deleted.extend(self._retainer.retain({stats.step}, protected))
         self._report(stats)
-
-    def _delete(self, rec: CheckpointInfo) -> None:
-        remove_tree(self.fs, get_fs(rec.path, **self.settings.storage_options)[1])
 
     def _report(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
@@ -273,15 +257,6 @@ class CheckpointManager:
     def resume_check_failures(self) -> list[str]:
         """The resume check's mismatches so far (with ``resume_check="warn"``)."""
         return self._resume_check.failures
-
-    def _write_losses(self, step: int, body: bytes) -> None:
-        self._retainer.submit(self._write_quiet, join(self._root_path, step_dirname(step), LOSSES_NAME), body)
-
-    def _write_quiet(self, path: str, body: bytes) -> None:
-        try:
-            write_bytes_durable(self.fs, path, body)
-        except Exception as e:  # noqa: BLE001 - a missing loss record only disables the resume check
-            log.warning("ckpt_core: could not record losses at %s: %s", path, e)
 
     # -------------------------------------------------------------- lifecycle
     def wait(self) -> None:
@@ -354,21 +329,13 @@ class CheckpointManager:
         self.resumed_from = rec.step
         self._committed.add(rec.step)
         self._last_save_time = time.monotonic()
-        self._load_expected_losses(rec)
+        if self.rank == 0:  # at the same world size the run continues exactly: the same first losses
+            same = rec.world_size == self.world_size
+            self._resume_check.resumed(recorded_losses(rec.path, self.settings.storage_options) if same else {})
         if set_aside_newer and (step is not None or path is not None) and self._restorer.owns(rec):
             self._restorer.set_aside_newer(rec.step)
             self._committed = {c for c in self._committed if c <= rec.step}
         return rec
-
-    def _load_expected_losses(self, rec: CheckpointInfo) -> None:
-        expected: dict[int, float] = {}
-        if self.rank == 0 and self.settings.resume_check != "off" and rec.world_size == self.world_size:
-            try:
-                fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
-                expected = parse_losses(fs.cat_file(join(fs_path, LOSSES_NAME)))
-            except (OSError, ValueError):
-                pass
-        self._resume_check.resumed(expected)
 
 
 def _saves(s: CheckpointSettings) -> bool:
@@ -378,3 +345,35 @@ def _saves(s: CheckpointSettings) -> bool:
 
 def _fmt(x: Any) -> str:
     return "n/a" if x is None else f"{x:.3g}"
+
+
+def _log_auto_interval(schedule: SaveSchedule, interval: Optional[str]) -> None:
+    if interval == "auto":
+        d = schedule.describe()
+        log.info("ckpt_core: auto interval %s s (save cost C=%s s, cluster MTBF M=%s s, expected time lost %s)",
+                 _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("mtbf_s")),
+                 _fmt(d.get("expected_overhead")))
+
+
+def _read_commit(fs: Any, path: str, stats: SaveStats) -> Optional[SaveError]:
+    """Rank 0: the committed manifest's size and health into ``stats``; the error when it is missing."""
+    try:
+        manifest = read_manifest(fs, path)
+    except (FileNotFoundError, ManifestError) as e:
+        return SaveError(stats.step, RuntimeError(f"the manifest was not committed: {e}"))
+    stats.bytes, stats.healthy = manifest.total_bytes, manifest.healthy
+    if not manifest.healthy:
+        log.warning("ckpt_core: checkpoint at step %d holds non-finite values; it is kept but marked unhealthy "
+                    "and will not be chosen for automatic resume", stats.step)
+    return None
+
+
+def _delete(fs: Any, rec: CheckpointInfo, storage_options: Mapping[str, Any]) -> None:
+    remove_tree(fs, get_fs(rec.path, **storage_options)[1])
+
+
+def _write_quiet(fs: Any, path: str, body: bytes) -> None:
+    try:
+        write_bytes_durable(fs, path, body)
+    except Exception as e:  # noqa: BLE001 - a missing loss record only disables the resume check
+        log.warning("ckpt_core: could not record losses at %s: %s", path, e)

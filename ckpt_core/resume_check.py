@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .errors import RestoreError
 from .strict_json import as_float, as_int, loads_object
@@ -89,3 +89,14 @@ class ResumeCheck:
             raise RestoreError(msg)
         warnings.warn(msg, stacklevel=3)
         log.warning("ckpt_core: %s", msg)
+
+
+def recorded_losses(checkpoint_path: str, storage_options: Optional[Mapping[str, Any]] = None) -> dict[int, float]:
+    """The losses recorded after the checkpoint at ``checkpoint_path``; empty when there are none or they are bad."""
+    from .storage import get_fs, join
+
+    try:
+        fs, path = get_fs(checkpoint_path, **dict(storage_options or {}))
+        return parse_losses(fs.cat_file(join(path, LOSSES_NAME)))
+    except (OSError, ValueError):
+        return {}

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import rng as rng_mod
 from .ddp_layout import fix_bucket_layout
-from .sampler import ResumableLoader, find_resumable_sampler
+from .data import ResumableLoader, find_resumable_sampler
 
 log = logging.getLogger("ckpt_core")
 

@@ -62,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every process right after step N")
     p.add_argument("--out", default=None, help="directory for per-step records and final weights (tests)")
     args, unknown = p.parse_known_args(argv)
-    from ckpt_core.overrides import pop_ckpt_flags
+    from ckpt_core.config import pop_ckpt_flags
 
     _, rest = pop_ckpt_flags(unknown)  # --ckpt.<name> flags are read by the plugin
     if rest:

@@ -29,7 +29,7 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 
 from accelerate_ckpt import Accelerator, CheckpointPlugin  # noqa: E402
 from ckpt_core import Preempted, ResumableDistributedSampler  # noqa: E402
-from ckpt_core.sampler import find_resumable_sampler  # noqa: E402
+from ckpt_core.data import find_resumable_sampler  # noqa: E402
 
 N = 48  # samples; batch 4 -> 12 steps per epoch
 BS = 4

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 from ckpt_core.cli import main
-from ckpt_core.overrides import settings_table_markdown
+from ckpt_core.config import settings_table_markdown
 from helpers_ckpt import flip_byte, garbage_manifest, make_checkpoints, step_path, tear
 
 STEPS = (10, 20, 30)

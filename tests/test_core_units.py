@@ -15,7 +15,7 @@ from torch.utils.data import DistributedSampler
 from ckpt_core import fingerprint as fp
 from ckpt_core import rng
 from ckpt_core.manifest import FileEntry, ManifestError, build_manifest, parse_manifest
-from ckpt_core.sampler import ResumableDistributedSampler, epoch_permutation, rank_indices
+from ckpt_core.data import ResumableDistributedSampler, epoch_permutation, rank_indices
 from ckpt_core.storage import parse_step_dirname, step_dirname
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ckpt_core.overrides import (
+from ckpt_core.config import (
     add_ckpt_arguments,
     flag_name,
     log_effective_settings,
@@ -17,7 +17,7 @@ from ckpt_core.overrides import (
     setting_help,
     settings_from_args,
 )
-from ckpt_core.settings import CheckpointSettings
+from ckpt_core.config import CheckpointSettings
 
 FIELDS = [f.name for f in dataclasses.fields(CheckpointSettings)]
 
