@@ -15,6 +15,7 @@ for batch in plugin.dataloader(dataloader):
 
 from .accelerator import Accelerator
 from .data import ShardedBatchSampler
-from .plugin import AcceleratedResumableLoader, CheckpointPlugin
+from .counters import AcceleratedResumableLoader
+from .plugin import CheckpointPlugin
 
 __all__ = ["AcceleratedResumableLoader", "Accelerator", "CheckpointPlugin", "ShardedBatchSampler"]

@@ -25,70 +25,21 @@ import os
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
-import torch
 from torch import nn
 
-from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, ResumableLoader, TrainState
+from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, TrainState
 from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, checkpoint_target, parent, same_root
-from ckpt_core.data import find_resumable_sampler
 from ckpt_core.storage import get_fs, join, step_dirname
 
 from . import data as data_mod
+from .counters import AcceleratedResumableLoader, AcceleratorCounters
+from .tracking import TrainLoaderTracker
 
 log = logging.getLogger("accelerate_ckpt")
 
 _ACCELERATE_FORMAT_FILES = ("model.safetensors", "pytorch_model.bin", "random_states_0.pkl", "optimizer.bin")
-
-
-class _AcceleratorCounters:
-    """Accelerate's own counters, as a ``Stateful`` kept per rank in the checkpoint.
-
-    * ``step``: ``accelerator.step``, the gradient-accumulation counter;
-    * ``save_iteration``: ``ProjectConfiguration.iteration`` *after* this save
-      (stock ``load_state`` does not restore it, so the next save overwrites
-      and rotation deletes the wrong checkpoint);
-    * ``dataloader_iterations``: each prepared loader's ``iteration`` (its
-      epoch; stock ``save_state`` does not save it).
-    """
-
-    def __init__(self, accelerator: Any) -> None:
-        self.accelerator = accelerator
-
-    def state_dict(self) -> dict[str, Any]:
-        acc = self.accelerator
-        return {
-            "step": int(acc.step),
-            "save_iteration": int(acc.project_configuration.iteration) + 1,
-            "dataloader_iterations": [int(getattr(dl, "iteration", 0) or 0) for dl in acc._dataloaders],
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        acc = self.accelerator
-        acc.step = int(state["step"])
-        acc.project_configuration.iteration = int(state["save_iteration"])
-        saved = list(state["dataloader_iterations"])
-        if len(saved) != len(acc._dataloaders):
-            log.warning("accelerate_ckpt: the checkpoint has the epochs of %d prepared data loaders, this run "
-                        "prepared %d; matching them in order", len(saved), len(acc._dataloaders))
-        for dl, it in zip(acc._dataloaders, saved):
-            if hasattr(dl, "iteration"):
-                dl.iteration = int(it)
-
-
-class AcceleratedResumableLoader(ResumableLoader):
-    """``ResumableLoader`` over an Accelerate ``DataLoaderShard``: also keeps the shard's epoch in step.
-
-    A pass that starts at the end of an epoch (a checkpoint taken after its
-    last batch) yields nothing and does not advance ``DataLoaderShard.iteration``;
-    the sampler does, so the shard follows the sampler after every pass.
-    """
-
-    def __iter__(self):
-        yield from super().__iter__()
-        if self.sampler is not None and hasattr(self.loader, "iteration"):
-            self.loader.iteration = self.sampler.epoch
 
 
 class CheckpointPlugin:
@@ -135,12 +86,9 @@ class CheckpointPlugin:
         self._manager: Optional[CheckpointManager] = None
         self._extra_managers: dict[str, CheckpointManager] = {}
         self._last_saved: dict[str, int] = {}
-        self._train_loader: Any = None
-        self._replaced: dict[int, Any] = {}
-        self._wrappers: dict[int, AcceleratedResumableLoader] = {}
+        self._loaders: Optional[TrainLoaderTracker] = None
         self._step_calls = 0
         self._driver: Optional[LoopDriver] = None
-        self._warned_no_position = False
         self._orig: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- attach
@@ -165,6 +113,7 @@ class CheckpointPlugin:
         if existing is not None and existing is not self:
             raise RuntimeError("this Accelerator already has another CheckpointPlugin attached")
         self.accelerator = accelerator
+        self._loaders = TrainLoaderTracker(accelerator, self.rebuild_dataloaders)
         accelerator.checkpoint_plugin = self
         self._adopt_project_configuration(accelerator.project_configuration)
         for name in ("prepare_data_loader", "prepare_model", "save_state", "load_state", "end_training"):
@@ -233,14 +182,8 @@ class CheckpointPlugin:
     @property
     def epoch(self) -> int:
         """The training loader's epoch (restored by ``resume()``)."""
-        dl = self._train_loader
-        if dl is not None:
-            if getattr(dl, "iteration", None) is not None:
-                return int(dl.iteration)
-            sampler = find_resumable_sampler(dl)
-            if sampler is not None:
-                return sampler.epoch
-        return self._epoch
+        epoch = self._loaders.epoch() if self._loaders is not None else None
+        return self._epoch if epoch is None else epoch
 
     def state(self, step: Optional[int] = None) -> TrainState:
         """The ``TrainState`` of everything the accelerator prepared (built fresh; cheap)."""
@@ -254,14 +197,14 @@ class CheckpointPlugin:
             model = None
         optimizers = [getattr(o, "optimizer", o) for o in acc._optimizers]
         schedulers = [getattr(s, "scheduler", s) for s in acc._schedulers]
-        extra: dict[str, Any] = {"accelerate": _AcceleratorCounters(acc)}
+        extra: dict[str, Any] = {"accelerate": AcceleratorCounters(acc)}
         extra.update({f"custom_{i}": obj for i, obj in enumerate(acc._custom_objects)})
         return TrainState(
             model=model,
             optimizers=optimizers or None,
             schedulers=schedulers or None,
             scaler=acc.scaler,
-            dataloader=self._loader_for_state(),
+            dataloader=self._loaders.for_state(),
             step=self.global_step if step is None else step,
             epoch=self.epoch,
             extra=extra,
@@ -286,75 +229,6 @@ class CheckpointPlugin:
         return self._orig["prepare_data_loader"](
             data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch)
 
-    def _resolve_loader(self, dl: Any) -> Any:
-        """The loader to track for ``dl``: itself, or its resumable rebuild (made once)."""
-        if id(dl) in self._replaced:
-            return self._replaced[id(dl)]
-        if data_mod.is_rebuilt(dl):
-            return dl
-        acc = self.accelerator
-        reason = data_mod.why_not_rebuildable(dl, acc) if self.rebuild_dataloaders else "rebuild_dataloaders=False"
-        if reason is None:
-            new = data_mod.rebuild(acc, dl)
-            if dl in acc._dataloaders:
-                acc._dataloaders[acc._dataloaders.index(dl)] = new
-            else:
-                acc._dataloaders.append(new)
-            self._replaced[id(dl)] = new
-            log.info("accelerate_ckpt: rebuilt the training data loader on ResumableDistributedSampler "
-                     "(attach the plugin before accelerator.prepare() to have it rebuilt when prepared)")
-            return new
-        if data_mod.is_stateful(dl):
-            data_mod.ensure_private_generator(dl)
-            return dl
-        warnings.warn(
-            f"accelerate_ckpt: the data position of this loader cannot be saved ({reason}); a resumed run "
-            "restarts its epoch. Use a map-style dataset with shuffle=True/False, or a torchdata "
-            "StatefulDataLoader (DataLoaderConfiguration(use_stateful_dataloader=True)).", stacklevel=3)
-        self._warned_no_position = True
-        return dl
-
-    def _track(self, dl: Any) -> Any:
-        resolved = self._resolve_loader(dl)
-        if self._train_loader is not None and self._train_loader is not resolved:
-            raise ValueError(
-                "CheckpointPlugin tracks the position of one training data loader and already has one; "
-                "iterate other loaders (evaluation) directly, not through plugin.dataloader()")
-        self._train_loader = resolved
-        return resolved
-
-    def _find_train_loader(self) -> Any:
-        """The training loader when none was given to ``plugin.dataloader()`` yet (for ``resume()``)."""
-        if self._train_loader is not None:
-            return self._train_loader
-        acc = self.accelerator
-        rebuilt = [dl for dl in acc._dataloaders if getattr(dl, data_mod.REBUILT_FLAG, False)]
-        if not rebuilt:
-            from accelerate.data_loader import get_sampler
-
-            shuffled = [dl for dl in acc._dataloaders
-                        if isinstance(get_sampler(dl), torch.utils.data.RandomSampler)
-                        and data_mod.why_not_rebuildable(dl, acc) is None]
-            if not shuffled and len(acc._dataloaders) == 1:  # the only loader: the training loader
-                shuffled = [dl for dl in acc._dataloaders if data_mod.why_not_rebuildable(dl, acc) is None]
-            rebuilt = shuffled if self.rebuild_dataloaders else []
-        candidates = rebuilt or [dl for dl in acc._dataloaders if data_mod.is_stateful(dl)]
-        if len(candidates) > 1:
-            raise ValueError(
-                f"CheckpointPlugin found {len(candidates)} candidate training data loaders; call "
-                "plugin.dataloader(train_dataloader) once before plugin.resume() to say which one")
-        if candidates:
-            return self._track(candidates[0])
-        return None
-
-    def _loader_for_state(self) -> Any:
-        dl = self._train_loader
-        if dl is None:
-            return None
-        if data_mod.is_rebuilt(dl) or data_mod.is_stateful(dl):
-            return dl
-        return None
-
     def dataloader(self, dataloader: Any) -> AcceleratedResumableLoader:
         """Iterate the training loader through this: counts consumed batches, continues mid-epoch after a resume.
 
@@ -362,11 +236,7 @@ class CheckpointPlugin:
         it returns the same wrapper each time.
         """
         self._check_attached()
-        resolved = self._track(dataloader)
-        wrapper = self._wrappers.get(id(resolved))
-        if wrapper is None:
-            wrapper = self._wrappers[id(resolved)] = AcceleratedResumableLoader(resolved)
-        return wrapper
+        return self._loaders.wrapper(dataloader)
 
     # ------------------------------------------------------------ train loop
     def step(self, loss: Any = None, metrics: Optional[Mapping[str, float]] = None) -> bool:
@@ -435,7 +305,7 @@ class CheckpointPlugin:
         """Restore checkpoint ``step`` (default: the newest valid) from ``dirpath`` (default: the plugin's root),
         or exactly the checkpoint directory ``path``."""
         self._check_attached()
-        self._find_train_loader()
+        self._loaders.find()
         state = self.state()
         root = None if dirpath is None else os.fspath(dirpath)
         info = self.driver.restore(state, root=root, step=step, path=None if path is None else os.fspath(path))
@@ -447,7 +317,7 @@ class CheckpointPlugin:
         self._epoch = state.epoch
         self.resumed_from = info.step
         self._last_saved[_root_key(parent(info.path), self.settings.dirpath)] = info.step
-        if self._train_loader is None and self.accelerator._dataloaders and not self._warned_no_position:
+        if self._loaders.train_loader is None and self.accelerator._dataloaders and not self._loaders.warned_no_position:
             warnings.warn("accelerate_ckpt: no training data loader was found to restore the data position into; "
                           "call plugin.dataloader(train_dataloader) before plugin.resume()", stacklevel=3)
         log.info("accelerate_ckpt: resumed from step %d (epoch %d) from %s", info.step, self.epoch, info.path)

@@ -24,7 +24,6 @@ trainer's loggers. Where each piece happens:
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -35,16 +34,14 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState
+from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainState, rng
 from ckpt_core.config import log_effective_settings, resolve_entry_point, schema
 from ckpt_core.coordination import all_ranks_agree
-from ckpt_core import rng
 from ckpt_core.ddp_layout import fix_bucket_layout
-from ckpt_core.loop import LoopDriver, checkpoint_target, parent
-from ckpt_core.discovery import list_records
-from ckpt_core.storage import get_fs, parse_step_dirname
+from ckpt_core.loop import LoopDriver, checkpoint_target
 
 from .data import ResumableTrainLoader, install_source
+from .paths import default_dirpath, is_ours
 from .state import LightningTrainerState
 
 log = logging.getLogger("lightning_ckpt")
@@ -174,7 +171,7 @@ class DistributedCheckpoint(Checkpoint):
         """The resolved settings, with what only the trainer knows filled in where nothing set it."""
         changes: dict[str, Any] = {}
         if self._unset("dirpath"):
-            changes["dirpath"] = self._resolve_dirpath(trainer)
+            changes["dirpath"] = default_dirpath(trainer)
         if self._unset("async_mode"):
             changes["async_mode"] = "process" if trainer.world_size > 1 else "thread"
         return self.settings.replace(**changes) if changes else self.settings
@@ -213,30 +210,13 @@ class DistributedCheckpoint(Checkpoint):
         self._source = install_source(trainer)
         self._patch_connector(trainer)
 
-    def _resolve_dirpath(self, trainer: "pl.Trainer") -> str:
-        if self.dirpath is not None:
-            return self.dirpath
-        logger_dir = None
-        if trainer.loggers:
-            logger = trainer.loggers[0]
-            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-            logger_dir = os.path.join(str(save_dir), str(logger.name))
-            path = os.path.join(logger_dir, version, "checkpoints")
-        else:
-            path = os.path.join(str(trainer.default_root_dir), "checkpoints")
-        path = trainer.strategy.broadcast(path)
-        if logger_dir is not None and trainer.is_global_zero:
-            _warn_if_earlier_versions(logger_dir, path)
-        return path
-
     def _patch_connector(self, trainer: "pl.Trainer") -> None:
         """Take ``fit(ckpt_path=...)`` when it names a checkpoint of ours (Lightning would ``torch.load`` it)."""
         connector = trainer._checkpoint_connector
         original = connector.resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
-            ours = bool(checkpoint_path) and trainer.strategy.broadcast(_is_ours(checkpoint_path))
+            ours = bool(checkpoint_path) and trainer.strategy.broadcast(is_ours(checkpoint_path))
             if ours:
                 self._requested = str(checkpoint_path)
                 connector._ckpt_path = checkpoint_path
@@ -442,30 +422,3 @@ def _loss_of(outputs: Any) -> Any:
     if hasattr(outputs, "detach"):
         return outputs.detach()
     return outputs if isinstance(outputs, (int, float)) else None
-
-
-def _is_ours(path: Any) -> bool:
-    """Whether ``path`` is one of our step directories or a root holding some."""
-    try:
-        path = os.fspath(path)
-        fs, p = get_fs(path)
-        if parse_step_dirname(str(path).rstrip("/")) is not None:
-            return fs.isdir(p)
-        return fs.isdir(p) and bool(list_records(path))
-    except Exception:  # noqa: BLE001 - not a path we can read: leave it to Lightning
-        return False
-
-
-def _warn_if_earlier_versions(logger_dir: str, path: str) -> None:
-    """Warn when the default dirpath (a new logger version) misses checkpoints of an earlier version."""
-    try:
-        if list_records(path):
-            return
-        fs, p = get_fs(logger_dir)
-        earlier = sorted(fs.glob(f"{p.rstrip('/')}/*/checkpoints/step_*"))
-    except Exception:  # noqa: BLE001 - a hint only
-        return
-    if earlier:
-        rank_zero_warn(f"DistributedCheckpoint: this run saves to {path} (the logger's new version), but "
-                       f"{parent(earlier[-1])} holds checkpoints of an earlier run that this run does not resume "
-                       "from; pass DistributedCheckpoint(dirpath=...) to resume across restarts")
