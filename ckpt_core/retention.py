@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Protocol, Sequence
 
+from ckpt_core.config.schema import check_values
 from ckpt_core.records import CheckpointRecord
 
 __all__ = [
@@ -218,23 +219,10 @@ def build_policy(
     """Build the policy for the user-facing keep_* options.
 
     ``KeepPermanent`` is always included. ``keep_last=None`` keeps everything.
-    Invalid arguments raise ``ValueError`` naming the argument and the fix.
+    Invalid arguments raise ``SettingError`` (a ``ValueError``) naming the setting and what it accepts.
     """
-    _check_positive_int(keep_last, "keep_last", allow_none=True)
-    _check_positive_int(keep_every_n_steps, "keep_every_n_steps", allow_none=True)
-    _check_positive_number(keep_every_seconds, "keep_every_seconds", allow_none=True)
-    if keep_best is not None:
-        if not isinstance(keep_best, (tuple, list)) or len(keep_best) != 3:
-            raise ValueError(
-                'keep_best must be a (metric, "min" | "max", n) tuple or None, '
-                f"got {keep_best!r}"
-            )
-        metric, mode, n = keep_best
-        if not isinstance(metric, str) or not metric:
-            raise ValueError(f"keep_best metric must be a non-empty metric name, got {metric!r}")
-        if mode not in ("min", "max"):
-            raise ValueError(f'keep_best mode must be "min" or "max", got {mode!r}')
-        _check_positive_int(n, "keep_best n")
+    check_values(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+                 keep_every_seconds=keep_every_seconds, keep_best=keep_best)
 
     if keep_last is None:
         return AnyOf(KeepPermanent(), KeepAll())

@@ -16,6 +16,8 @@ import statistics
 from collections import deque
 from typing import Any, Optional
 
+from .config.schema import check_values
+
 __all__ = [
     "cluster_mtbf_seconds",
     "young_interval",
@@ -142,30 +144,9 @@ class SaveSchedule:
         cost_window: int = 5,
         initial_cost_s: float | None = None,
     ) -> None:
-        if every_n_steps is not None:
-            _positive_int(every_n_steps, "every_n_steps")
-        if every_seconds is not None:
-            _positive(every_seconds, "every_seconds")
-        _require(
-            interval in (None, "auto"),
-            f'interval must be "auto" or None, got {interval!r}; '
-            "use every_seconds for a fixed time interval",
-        )
-        if interval == "auto":
-            _require(
-                device_mtbf_hours is not None,
-                'interval="auto" needs device_mtbf_hours (per-device mean time '
-                "between failures, in hours) to compute the interval",
-            )
-        if device_mtbf_hours is not None:
-            _positive(device_mtbf_hours, "device_mtbf_hours")
-        _positive_int(n_devices, "n_devices")
-        _positive(min_interval_s, "min_interval_s")
-        _positive(max_interval_s, "max_interval_s")
-        _require(
-            min_interval_s <= max_interval_s,
-            f"min_interval_s ({min_interval_s}) must be <= max_interval_s ({max_interval_s})",
-        )
+        check_values(every_n_steps=every_n_steps, every_seconds=every_seconds, interval=interval,
+                     device_mtbf_hours=device_mtbf_hours, n_devices=n_devices, min_interval_s=min_interval_s,
+                     max_interval_s=max_interval_s)
         _positive_int(cost_window, "cost_window")
         if initial_cost_s is not None:
             _non_negative(initial_cost_s, "initial_cost_s")

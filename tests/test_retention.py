@@ -188,26 +188,18 @@ def test_mark_permanent(step, n, expected):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(keep_last=0), "keep_last must be a positive integer or None, got 0"),
-        (dict(keep_last=-3), "keep_last must be a positive integer or None, got -3"),
-        (dict(keep_last=2.5), "keep_last must be a positive integer or None, got 2.5"),
-        (dict(keep_last=True), "keep_last must be a positive integer or None, got True"),
-        (
-            dict(keep_every_n_steps=0),
-            "keep_every_n_steps must be a positive integer or None, got 0",
-        ),
-        (
-            dict(keep_every_seconds=-1.0),
-            "keep_every_seconds must be a positive number of seconds or None, got -1.0",
-        ),
-        (
-            dict(keep_every_seconds=math.inf),
-            "keep_every_seconds must be a positive number of seconds or None, got inf",
-        ),
-        (dict(keep_best=("loss", "lowest", 1)), 'keep_best mode must be "min" or "max"'),
-        (dict(keep_best=("loss", "min", 0)), "keep_best n must be a positive integer, got 0"),
-        (dict(keep_best=("", "min", 1)), "keep_best metric must be a non-empty metric name"),
-        (dict(keep_best=("loss", "min")), 'keep_best must be a (metric, "min" | "max", n)'),
+        (dict(keep_last=0), "checkpoint setting keep_last=0 is invalid: expected a positive integer or None"),
+        (dict(keep_last=-3), "keep_last=-3 is invalid: expected a positive integer or None"),
+        (dict(keep_last=2.5), "keep_last=2.5 is invalid: expected a positive integer or None"),
+        (dict(keep_last=True), "keep_last=True is invalid: expected a positive integer or None"),
+        (dict(keep_every_n_steps=0), "keep_every_n_steps=0 is invalid: expected a positive integer or None"),
+        (dict(keep_every_seconds=-1.0), "keep_every_seconds=-1.0 is invalid: expected a positive number"),
+        (dict(keep_every_seconds=math.inf), "keep_every_seconds=inf is invalid: expected a positive number"),
+        (dict(keep_best=("loss", "lowest", 1)), "keep_best=('loss', 'lowest', 1) is invalid: expected (metric, "
+                                                 "'min'|'max', n) with n a positive integer"),
+        (dict(keep_best=("loss", "min", 0)), "keep_best=('loss', 'min', 0) is invalid"),
+        (dict(keep_best=("", "min", 1)), "keep_best=('', 'min', 1) is invalid"),
+        (dict(keep_best=("loss", "min")), "keep_best=('loss', 'min') is invalid"),
     ],
 )
 def test_build_policy_validation(kwargs, message):

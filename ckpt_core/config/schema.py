@@ -32,7 +32,8 @@ def _num(v: Any) -> bool:
 
 
 def _keep_best(v: Any) -> bool:
-    return (isinstance(v, (tuple, list)) and len(v) == 3 and isinstance(v[0], str) and v[1] in ("min", "max")
+    return (isinstance(v, (tuple, list)) and len(v) == 3 and isinstance(v[0], str) and bool(v[0])
+            and v[1] in ("min", "max")
             and _int(v[2]) and v[2] > 0)
 
 
@@ -125,20 +126,32 @@ class CheckpointSettings:
 
     def validate(self) -> None:
         """Raise ``SettingError`` naming the first bad setting and what it accepts."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not f.metadata["check"](value):
-                raise SettingError(f.name, value, f.metadata["expected"])
-        if self.min_interval_s > self.max_interval_s:
-            raise SettingError("min_interval_s", self.min_interval_s, f"at most max_interval_s={self.max_interval_s}")
-        if self.interval == "auto" and self.device_mtbf_hours is None:
-            raise SettingError("device_mtbf_hours", None, "a number of hours when interval='auto'")
+        check_values(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if self.keep_best is not None:
             self.keep_best = tuple(self.keep_best)
 
     def replace(self, **changes: Any) -> "CheckpointSettings":
         """A copy with ``changes`` applied (validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_values(**values: Any) -> None:
+    """Check settings given by name against their declarations (and each other): ``SettingError`` on the first bad.
+
+    The one validation of settings: ``CheckpointSettings`` runs it on every
+    field, and the objects built from settings (``SaveSchedule``,
+    ``build_policy``) on the settings they take.
+    """
+    fields = {f.name: f for f in dataclasses.fields(CheckpointSettings)}
+    for name, value in values.items():
+        meta = fields[name].metadata
+        if not meta["check"](value):
+            raise SettingError(name, value, meta["expected"])
+    low, high = values.get("min_interval_s"), values.get("max_interval_s")
+    if low is not None and high is not None and low > high:
+        raise SettingError("min_interval_s", low, f"at most max_interval_s={high}")
+    if values.get("interval") == "auto" and "device_mtbf_hours" in values and values["device_mtbf_hours"] is None:
+        raise SettingError("device_mtbf_hours", None, "a number of hours when interval='auto'")
 
 
 @dataclass(frozen=True)
