@@ -13,6 +13,7 @@ helpers ``same_root`` and ``split_checkpoint_path`` are the one rule for
 from __future__ import annotations
 
 import queue
+from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -65,6 +66,10 @@ def loss_value(loss: Any) -> Optional[float]:
     return float(loss)
 
 
+def _relay(pending: "queue.SimpleQueue[dict[str, float]]", stats: SaveStats) -> None:
+    pending.put(stats.as_metrics())  # may run on the core's retention thread; holds no reference to the driver
+
+
 class LoopDriver:
     """A manager driven by a framework's hooks: step, metrics on the training thread, restore from anywhere."""
 
@@ -72,12 +77,10 @@ class LoopDriver:
         self.manager = manager
         self._sink = sink
         self._pending: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
+        self.relay = partial(_relay, self._pending)
+        """Queues the metrics of a save for ``drain``: a manager's metrics callback (any thread)."""
         if sink is not None:
             manager.add_metrics_callback(self.relay)
-
-    def relay(self, stats: SaveStats) -> None:
-        """Queue the metrics of a save for ``drain`` (any thread; the metrics callback of a manager)."""
-        self._pending.put(stats.as_metrics())  # may run on the core's retention thread
 
     def drain(self) -> None:
         """Hand the save metrics collected so far to the sink (call on the training thread)."""

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 import weakref
+from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
@@ -95,15 +96,13 @@ class CheckpointManager:
         self.policy = build_policy(keep_last=s.keep_last, keep_every_n_steps=s.keep_every_n_steps,
                                    keep_every_seconds=s.keep_every_seconds, keep_best=s.keep_best)
         self._saver = Saver(s, self._pg, self._ctl)
-        self._retainer = Retainer(self.policy, self.list, lambda rec: _delete(self.fs, rec, s.storage_options),
-                                  active=self.rank == 0)
+        # side effects as functions of plain values: no reference back to the manager, so that it is freed
+        # (and its process groups with it) as soon as the training script drops it, not at interpreter exit
+        self._retainer = Retainer(self.policy, partial(list_records, self.root, s.storage_options),
+                                  partial(_delete, self.fs, s.storage_options), active=self.rank == 0)
         self._restorer = Restorer(self.root, s, self._group, self._pg)
-
-        def write_losses(step: int, body: bytes) -> None:
-            path = join(self._root_path, step_dirname(step), LOSSES_NAME)
-            self._retainer.submit(_write_quiet, self.fs, path, body)
-
-        self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps, write_losses)
+        self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps,
+                                         partial(_write_losses, self._retainer, self.fs, self._root_path))
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
         self._metrics_callbacks = list(metrics_callbacks)
         self._committed: set[int] = set()
@@ -277,6 +276,14 @@ class CheckpointManager:
             self._saver.close()
             self._retainer.shutdown()
             _LIVE.discard(self)
+            self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Drop this manager's process groups (destroy_process_group frees them from Python, without the GIL)."""
+        self._pg = None
+        self._group = self._ctl = TorchRankGroup(None, enabled=False)
+        self._saver = Saver(self.settings.replace(async_mode="off"), None, self._ctl)
+        self._restorer = Restorer(self.root, self.settings, self._group, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -368,8 +375,13 @@ def _read_commit(fs: Any, path: str, stats: SaveStats) -> Optional[SaveError]:
     return None
 
 
-def _delete(fs: Any, rec: CheckpointInfo, storage_options: Mapping[str, Any]) -> None:
+def _delete(fs: Any, storage_options: Mapping[str, Any], rec: CheckpointInfo) -> None:
     remove_tree(fs, get_fs(rec.path, **storage_options)[1])
+
+
+def _write_losses(retainer: Retainer, fs: Any, root_path: str, step: int, body: bytes) -> None:
+    """The resume check's record of the losses after ``step``, written on the retainer's thread."""
+    retainer.submit(_write_quiet, fs, join(root_path, step_dirname(step), LOSSES_NAME), body)
 
 
 def _write_quiet(fs: Any, path: str, body: bytes) -> None:

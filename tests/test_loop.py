@@ -59,3 +59,23 @@ def test_metrics_reach_the_sink_on_the_training_thread_only(tmp_path):
             driver.on_step(step, state, loss=torch.tensor(0.5))
         driver.finish()
     assert got == [("MainThread", 2.0), ("MainThread", 4.0)]
+
+
+def test_manager_and_driver_are_freed_without_the_cyclic_collector(tmp_path):
+    """No reference cycle through the stage objects: a manager dropped by the script is freed at once, with its
+    process groups, not by the cyclic collector at interpreter exit (a gloo group destroyed then aborts)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        manager = CheckpointManager(str(tmp_path), every_n_steps=1, async_mode="thread", env={}, argv=[])
+        driver = LoopDriver(manager, lambda metrics: None)
+        driver.on_step(1, TrainState(model=_model(0)))
+        driver.finish()
+        manager.close()
+        refs = weakref.ref(manager), weakref.ref(driver)
+        del manager, driver
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
