@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 import weakref
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from .collectives import RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group, rank0_decides
 from .config import CheckpointSettings, resolve_entry_point
+from .decisions import GO, SKIP, SaveContext, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
 from .errors import RestoreError, SaveError
 from .manifest import ManifestError, new_checkpoint_id
@@ -124,17 +126,17 @@ class CheckpointManager:
         ``preemption_exit_code``).
         """
         self._poll(block=False)
-        if self._preempt is not None:
-            signum = any_signal(self._ctl, self._preempt.signum)
-            if signum is not None:
-                log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
-                self.save(step, state, metrics=metrics)
-                self.wait()
-                raise Preempted(step, signum, self.settings.preemption_exit_code)
+        signum = any_signal(self._ctl, self._preempt.signum) if self._preempt is not None else None
         due = self.schedule.should_save(step, time.monotonic() - self._last_save_time)
         if self.schedule.needs_time_sync:
             due = rank0_decides(self._ctl, due)
-        return self.save(step, state, metrics=metrics) if due else False
+        if signum is not None:
+            log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
+        saved = self._save(SaveContext(step, due=due, preempted=signum is not None), state, metrics)
+        if signum is not None:
+            self.wait()
+            raise Preempted(step, signum, self.settings.preemption_exit_code)
+        return saved
 
     def poll(self) -> None:
         """Collect a background save that has finished, without blocking; not a collective.
@@ -150,12 +152,34 @@ class CheckpointManager:
     def save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
         """Save ``state`` as checkpoint ``step`` (collective). Returns False when skipped."""
         self._check_open()
-        state.step = step
-        if not self._previous_save_finished(step):
+        self._poll(block=False)
+        return self._save(SaveContext(step, requested=True), state, metrics)
+
+    def _save(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
+        """Decide (``decisions``) and start the save of ``ctx.step``; collective when the save is wanted."""
+        if not wanted(ctx):
             return False
-        if step in self._committed:
-            log.info("ckpt_core: step %d is already committed; not saving it again", step)
+        step = state.step = ctx.step
+        # Every rank takes part in the agreement, also a rank whose own previous save already finished:
+        # a rank-local "in flight?" test in front of it would leave the other ranks in a lone collective.
+        ctx = replace(ctx, previous_done=self._saver.done_everywhere(), on_in_flight=self.settings.on_in_flight)
+        action, reason = while_in_flight(ctx)
+        prev = self._saver.inflight.step if self._saver.inflight is not None else "previous"
+        if action == SKIP:
+            log.warning("ckpt_core: skipping the save at step %d: the save at step %s is still writing (%s)",
+                        step, prev, reason)
             return False
+        if action != GO:
+            log.info("ckpt_core: save at step %d waits for the save at step %s to finish writing (%s)",
+                     step, prev, reason)
+            self._poll(block=True)
+        why_not = skip_reason(replace(ctx, committed=step in self._committed))
+        if why_not is not None:
+            log.info("ckpt_core: not saving step %d: %s", step, why_not)
+            return False
+        return self._start(step, state, metrics)
+
+    def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         fields = {
             "checkpoint_id": new_checkpoint_id(self._run_id, step), "step": step, "epoch": state.epoch,
             "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
@@ -175,21 +199,6 @@ class CheckpointManager:
             self._resume_check.saved(step)
         if inflight.synchronous:
             self._poll(block=True)
-        return True
-
-    def _previous_save_finished(self, step: int) -> bool:
-        """Collect the previous save, or wait for it or skip this one (``on_in_flight``); collective."""
-        self._poll(block=False)
-        # Every rank takes part in the agreement, also a rank whose own previous save already finished:
-        # a rank-local "in flight?" test in front of it would leave the other ranks in a lone collective.
-        if self._saver.done_everywhere():
-            return True
-        prev = self._saver.inflight.step if self._saver.inflight is not None else "previous"
-        if self.settings.on_in_flight == "skip":
-            log.warning("ckpt_core: skipping the save at step %d: the save at step %s is still writing", step, prev)
-            return False
-        log.info("ckpt_core: save at step %d waits for the save at step %s to finish writing", step, prev)
-        self._poll(block=True)
         return True
 
     def _poll(self, block: bool) -> None:

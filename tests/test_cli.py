@@ -240,7 +240,7 @@ def test_prune_never_deletes_newest_valid_or_newer_torn(capsys, root):
 
 def test_prune_bad_args(capsys, root):
     code, _, err = run(capsys, "prune", root, "--keep-last", "0")
-    assert code == 2 and "keep_last must be a positive integer" in err
+    assert code == 2 and "keep_last=0 is invalid: expected a positive integer" in err
     code, _, err = run(capsys, "prune", root)
     assert code == 2 and "--keep-last" in err
     code, _, err = run(capsys, "prune", step_path(root, 10), "--keep-last", "1")
