@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests check what is decided, not how fast: no per-example deadline on a shared, noisy 2-core machine.
+settings.register_profile("shared-machine", deadline=None)
+settings.load_profile("shared-machine")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
