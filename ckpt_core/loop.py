@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from .config import CheckpointSettings
+from .errors import RestoreError
 from .manager import CheckpointManager
 from .records import CheckpointInfo
 from .saver import SaveStats
@@ -55,6 +57,28 @@ def checkpoint_target(path: str, storage_options: Optional[Mapping[str, Any]] = 
         return {"path": path}
     fs, local = get_fs(path, **dict(storage_options or {}))
     return {"path": path} if fs.exists(join(local, MANIFEST_NAME)) else {"root": path}
+
+
+def load_model_weights(model: Any, target: str, settings: CheckpointSettings) -> CheckpointInfo:
+    """Load only the model weights of ``target`` (a checkpoint directory, or a root: its newest valid) into ``model``.
+
+    For evaluation and inference: the same checks as a restore (checksums,
+    the model's fingerprint, step and epoch), no optimizer, RNG or data
+    position, and nothing under the root is moved. ``RestoreError`` when there
+    is no usable checkpoint. Collective when a process group is initialized.
+    """
+    where = checkpoint_target(target, settings.storage_options)
+    root = where.get("root") or split_checkpoint_path(where["path"])[0]
+    if "path" in where and parse_step_dirname(where["path"]) is None:
+        root = parent(where["path"])
+    reader = settings.replace(dirpath=root, async_mode="off", handle_preemption=False, resume=True, resume_step=None,
+                              every_n_steps=None, every_seconds=None, interval=None)
+    state = TrainState(model=model, rng=False)
+    with CheckpointManager(settings=reader, env={}, argv=[]) as manager:
+        rec = manager.restore(state, path=where.get("path"), set_aside_newer=False, weights_only=True)
+    if rec is None:
+        raise RestoreError(f"no committed checkpoint under {root}")
+    return rec
 
 
 def loss_value(loss: Any) -> Optional[float]:

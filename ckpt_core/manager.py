@@ -325,7 +325,7 @@ class CheckpointManager:
         return self.restore(state, step=self.settings.resume_step)
 
     def restore(self, state: TrainState, step: Optional[int] = None, *, path: Optional[str] = None,
-                set_aside_newer: bool = True) -> Optional[CheckpointInfo]:
+                set_aside_newer: bool = True, weights_only: bool = False) -> Optional[CheckpointInfo]:
         """Restore the newest valid checkpoint (or exactly ``step``, or the directory ``path``) into ``state``.
 
         Returns the restored checkpoint, or None when the root holds none (start
@@ -336,9 +336,11 @@ class CheckpointManager:
         this root) is a rollback: newer checkpoints are moved to
         ``rolled_back/`` unless ``set_aside_newer=False``. ``path`` may be any
         checkpoint directory, whatever its name, also under another root.
+        ``weights_only=True`` (with a ``TrainState`` holding the model alone) loads
+        the weights for evaluation: only the model's fingerprint must match.
         """
         self._check_open()
-        rec, committed = self._restorer.restore(state, step, path)
+        rec, committed = self._restorer.restore(state, step, path, weights_only)
         self._committed |= committed
         if rec is None:
             return None

@@ -42,14 +42,18 @@ class Restorer:
         self.root, self.settings, self._group, self._pg = root, settings, group, process_group
         self.fs, self.root_path = get_fs(root, **settings.storage_options)
         self.timings: dict[str, float] = {}
+        self._weights_only = False
 
-    def restore(self, state: TrainState, step: Optional[int], path: Optional[str]
+    def restore(self, state: TrainState, step: Optional[int], path: Optional[str], weights_only: bool = False
                 ) -> tuple[Optional[CheckpointInfo], set[int]]:
         """The checkpoint restored into ``state`` (None: nothing to restore) and the committed steps listed.
 
         ``step``/``path`` ask for exactly one checkpoint: a problem with it raises ``RestoreError``;
         otherwise problems fall back to the next older candidate, with a warning naming them.
+        ``weights_only``: ``state`` asks for the model alone (evaluation, inference), so only the model's
+        part of the fingerprint must match; a full restore must restore everything the checkpoint holds.
         """
+        self._weights_only = weights_only
         t0 = time.monotonic()
         self.timings = {}
         explicit = step is not None or path is not None
@@ -174,7 +178,7 @@ class Restorer:
         t1 = time.monotonic()
         self.timings["load"] = t1 - t0
         flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
-        diffs = fp.compare(manifest.fingerprint, fp.global_entries(flat, self._pg))
+        diffs = fp.compare(self._expected(manifest), fp.global_entries(flat, self._pg))
         if diffs:
             raise Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
         try:
@@ -184,15 +188,20 @@ class Restorer:
         self.timings["verify"] = time.monotonic() - t1
         return manifest, template, wanted
 
+    def _expected(self, manifest: Manifest) -> dict:
+        if not self._weights_only:
+            return manifest.fingerprint
+        return {k: v for k, v in manifest.fingerprint.items() if k.startswith("model.")}
+
     def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         manifest, template, wanted = self._load(rec, state)
         t0 = time.monotonic()
-        state.apply(template, wanted, manifest.world_size)
+        state.apply(template, wanted, manifest.world_size, weights_only=self._weights_only)
         t1 = time.monotonic()
         after, _ = flatten_state_dict(state._model_optim())
-        diffs = fp.compare(manifest.fingerprint, fp.global_entries(after, self._pg))
+        diffs = fp.compare(self._expected(manifest), fp.global_entries(after, self._pg))
         self.timings.update(apply=t1 - t0, verify=self.timings["verify"] + time.monotonic() - t1)
         if diffs:
             raise RestoreError(

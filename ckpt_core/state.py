@@ -200,8 +200,12 @@ class TrainState(Stateful):
         progress = blobs[wanted["zero"]]["progress"]
         return progress["step"], progress["epoch"]
 
-    def apply(self, loaded: Mapping[str, Any], wanted: Mapping[str, int], saved_world_size: int) -> None:
-        """Apply a fully loaded checkpoint (from ``load_template`` buffers) to the live objects."""
+    def apply(self, loaded: Mapping[str, Any], wanted: Mapping[str, int], saved_world_size: int,
+              weights_only: bool = False) -> None:
+        """Apply a fully loaded checkpoint (from ``load_template`` buffers) to the live objects.
+
+        ``weights_only``: the model's weights and the step/epoch counters only (evaluation, inference).
+        """
         rank, world = _rank_world()
         same_world = saved_world_size == world
         own = _from_blob(loaded[RANK_KEY][str(wanted["own"])])
@@ -216,6 +220,8 @@ class TrainState(Stateful):
             )
         self.step = int(zero["progress"]["step"])
         self.epoch = int(zero["progress"]["epoch"])
+        if weights_only:
+            return
         if len(zero["schedulers"]) != len(self.schedulers):
             raise StateMismatchError(
                 f"the checkpoint has {len(zero['schedulers'])} scheduler(s), this run has {len(self.schedulers)}"

@@ -38,7 +38,7 @@ from ckpt_core import CheckpointManager, CheckpointSettings, Preempted, TrainSta
 from ckpt_core.config import log_effective_settings, resolve_entry_point, schema
 from ckpt_core.coordination import all_ranks_agree
 from ckpt_core.ddp_layout import fix_bucket_layout
-from ckpt_core.loop import LoopDriver, checkpoint_target
+from ckpt_core.loop import LoopDriver, checkpoint_target, load_model_weights
 
 from .data import ResumableTrainLoader, install_source
 from .paths import default_dirpath, is_ours
@@ -188,6 +188,7 @@ class DistributedCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
+            self._patch_evaluation(trainer)
             return
         self._reset_run()
         self.settings = self._runtime_settings(trainer)
@@ -225,6 +226,27 @@ class DistributedCheckpoint(Checkpoint):
                 original(checkpoint_path, weights_only=weights_only)
             if trainer.strategy.restore_checkpoint_after_setup and self.state is not None:
                 self._restore(trainer)
+
+        connector.resume_start = resume_start
+        self._connector_patched = connector
+
+    def _patch_evaluation(self, trainer: "pl.Trainer") -> None:
+        """``validate``/``test``/``predict(ckpt_path=...)`` with a checkpoint of ours: load the model weights.
+
+        Verified like a restore (checksums, the model's fingerprint); nothing a ``fit`` needs (optimizer,
+        RNG, data position) is touched, nothing under the root is moved. Other paths go to Lightning.
+        """
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+        settings = self._runtime_settings(trainer)
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
+            if not (checkpoint_path and trainer.strategy.broadcast(is_ours(checkpoint_path))):
+                original(checkpoint_path, weights_only=weights_only)
+                return
+            rec = load_model_weights(trainer.lightning_module, str(checkpoint_path), settings)
+            rank_zero_info(f"DistributedCheckpoint: {trainer.state.fn} with the model weights of step {rec.step} "
+                           f"({rec.path})")
 
         connector.resume_start = resume_start
         self._connector_patched = connector
@@ -327,6 +349,9 @@ class DistributedCheckpoint(Checkpoint):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._close(trainer)
+        elif self._connector_patched is not None:
+            self._connector_patched.__dict__.pop("resume_start", None)
+            self._connector_patched = None
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         manager = self.manager

@@ -231,3 +231,53 @@ def test_exception_agreement_without_collectives(monkeypatch, arrive, ok, expect
     for t in threads:
         t.join(10)
     assert answers == {r: expected for r in arrive}  # the same answer wherever it was asked
+
+
+class _Evaluated(lightning_train.Regressor):
+    """Records the weights each evaluation entry point ran with."""
+
+    def on_validation_start(self) -> None:
+        self.seen = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    on_test_start = on_predict_start = on_validation_start
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
+def test_validate_test_predict_load_our_checkpoints(tmp_path):
+    """``validate/test/predict(ckpt_path=...)`` with a step directory or a root (its newest valid): the model runs
+    with exactly the saved weights; the checkpoints on disk are left alone (an older step is not a rollback)."""
+    root = tmp_path / "ck"
+    model = lightning_train.Regressor()
+    saved = {}
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            saved[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    trainer(tmp_path, callbacks=[DistributedCheckpoint(root, every_n_train_steps=4, async_mode="off"), Keep()]).fit(model)
+    assert committed(root) == [4, 8]
+    before = sorted(os.listdir(root))
+
+    def run(fn, ckpt_path):
+        evaluated = _Evaluated()
+        t = trainer(tmp_path, callbacks=[DistributedCheckpoint(root)], limit_val_batches=1, limit_test_batches=1,
+                    limit_predict_batches=1)
+        getattr(t, fn)(evaluated, ckpt_path=str(ckpt_path))
+        return evaluated.seen
+
+    for fn, path, step in [("validate", root / "step_000000004", 4), ("test", root, 8), ("predict", root, 8)]:
+        seen = run(fn, path)
+        assert seen.keys() == saved[step].keys()
+        assert all(torch.equal(seen[k], saved[step][k]) for k in seen), (fn, step)
+    assert sorted(os.listdir(root)) == before  # an explicit older step is not a rollback here

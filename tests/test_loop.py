@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
 from ckpt_core import CheckpointManager, TrainState, list_records
@@ -79,3 +80,24 @@ def test_manager_and_driver_are_freed_without_the_cyclic_collector(tmp_path):
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_load_model_weights_checks_the_model_only_and_keeps_full_restores_strict(tmp_path):
+    from ckpt_core import CheckpointSettings, RestoreError
+    from ckpt_core.loop import load_model_weights
+
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with CheckpointManager(str(tmp_path), async_mode="off", env={}, argv=[]) as m:
+        m.save(3, TrainState(model=model, optimizers=opt, schedulers=sched))
+    fresh = _model(1)
+    rng = torch.get_rng_state()
+    rec = load_model_weights(fresh, str(tmp_path), CheckpointSettings())
+    assert rec.step == 3 and torch.equal(fresh.weight, model.weight) and torch.equal(rng, torch.get_rng_state())
+    # a training restore that would silently drop the optimizer state still refuses the checkpoint
+    with CheckpointManager(str(tmp_path), async_mode="off", env={}, argv=[]) as m:
+        with pytest.raises(RestoreError, match="could be restored"):
+            m.restore(TrainState(model=_model(2)))
