@@ -198,7 +198,8 @@ class DistributedCheckpoint(Checkpoint):
                            " async_mode='thread' avoids that")
         self.manager = CheckpointManager(settings=self.settings, env={}, argv=[])
         if trainer.is_global_zero:
-            log_effective_settings(self.settings, self.sources, logger=log)
+            # a child of Lightning's logger: shown at Lightning's default level, next to its own start-up lines
+            log_effective_settings(self.settings, self.sources, logger=logging.getLogger("lightning.pytorch.ckpt"))
 
         def log_metrics(metrics: dict[str, float]) -> None:
             for logger in trainer.loggers:

@@ -58,4 +58,5 @@ def _warn_if_earlier_versions(logger_dir: str, path: str) -> None:
     if earlier:
         rank_zero_warn(f"DistributedCheckpoint: this run saves to {path} (the logger's new version), but "
                        f"{parent(earlier[-1])} holds checkpoints of an earlier run that this run does not resume "
-                       "from; pass DistributedCheckpoint(dirpath=...) to resume across restarts")
+                       "from; to resume across restarts set the root: DistributedCheckpoint(dirpath=...), "
+                       "--trainer.callbacks.dirpath=... with LightningCLI, or CKPT_DIRPATH=...")

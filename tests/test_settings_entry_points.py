@@ -52,7 +52,7 @@ def test_core_manager_misspelt_variable_is_an_error(tmp_path, environ):
     assert "environment variable CKPT_KEEP_LAST='0'" in str(info.value)
 
 
-def test_lightning_callback_reads_environment_and_flags(tmp_path, environ):
+def test_lightning_callback_reads_environment_and_flags(tmp_path, environ, caplog):
     pytest.importorskip("lightning")
     import lightning.pytorch as L
 
@@ -70,7 +70,13 @@ def test_lightning_callback_reads_environment_and_flags(tmp_path, environ):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path),
                         callbacks=[cb])
-    trainer.fit(lightning_train.Regressor())
+    import logging
+
+    shown = logging.getLogger("lightning.pytorch.ckpt")
+    assert shown.getEffectiveLevel() <= logging.INFO  # Lightning's default level shows the start-up line
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(lightning_train.Regressor())
+    assert "effective checkpoint settings" in caplog.text and "[env CKPT_KEEP_LAST]" in caplog.text
     assert [r.step for r in list_records(str(tmp_path / "ck")) if r.committed] == [6]
     assert cb.settings.async_mode == "thread"  # the one-device default still applies
 
