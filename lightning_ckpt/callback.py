@@ -41,6 +41,7 @@ from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, checkpoint_target, load_model_weights
 
 from .data import ResumableTrainLoader, install_source
+from . import slurm
 from .paths import default_dirpath, is_ours
 from .state import LightningTrainerState
 
@@ -219,6 +220,8 @@ class DistributedCheckpoint(Checkpoint):
 
         def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
             ours = bool(checkpoint_path) and trainer.strategy.broadcast(is_ours(checkpoint_path))
+            if checkpoint_path and not ours and self._prefer_over_hpc(trainer, checkpoint_path):
+                checkpoint_path = None  # a requeued job resumes from our newest checkpoint
             if ours:
                 self._requested = str(checkpoint_path)
                 connector._ckpt_path = checkpoint_path
@@ -230,6 +233,17 @@ class DistributedCheckpoint(Checkpoint):
 
         connector.resume_start = resume_start
         self._connector_patched = connector
+
+    def _prefer_over_hpc(self, trainer: "pl.Trainer", path: Any) -> bool:
+        """Whether ``path`` is the ``hpc_ckpt_*.ckpt`` Lightning chose by itself and a checkpoint of ours exists."""
+        hpc = trainer._checkpoint_connector._hpc_resume_path
+        if hpc is None or str(path) != str(hpc) or not self.settings.resume:
+            return False
+        ours = trainer.strategy.broadcast(self.manager.latest() is not None if trainer.is_global_zero else None)
+        if ours:
+            rank_zero_info(f"DistributedCheckpoint: resuming from the newest checkpoint under {self.manager.root}, "
+                           f"not from Lightning's HPC checkpoint {path}")
+        return bool(ours)
 
     def _patch_evaluation(self, trainer: "pl.Trainer") -> None:
         """``validate``/``test``/``predict(ckpt_path=...)`` with a checkpoint of ours: load the model weights.
@@ -374,6 +388,9 @@ class DistributedCheckpoint(Checkpoint):
             self._close(trainer, raise_errors=False)
             if preempted:
                 exception.code = self.settings.preemption_exit_code  # as ckpt_core.Preempted exits
+        signum = getattr(exception, "signum", None)
+        if isinstance(exception, Preempted) and signum == slurm.requeue_signal(trainer) and trainer.is_global_zero:
+            slurm.requeue()  # the preemption checkpoint is committed on every rank: come back from it
 
     def _save_on_exception(self, trainer: "pl.Trainer", exception: BaseException) -> None:
         step = trainer.global_step

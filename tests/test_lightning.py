@@ -281,3 +281,44 @@ def test_validate_test_predict_load_our_checkpoints(tmp_path):
         assert seen.keys() == saved[step].keys()
         assert all(torch.equal(seen[k], saved[step][k]) for k in seen), (fn, step)
     assert sorted(os.listdir(root)) == before  # an explicit older step is not a rollback here
+
+
+def test_slurm_requeue_comes_after_our_checkpoint_and_the_requeued_run_resumes_from_it(tmp_path, monkeypatch):
+    """``SLURMEnvironment`` auto-requeue: SIGUSR1 saves our checkpoint on the next step boundary, then rank 0 runs
+    ``scontrol requeue <job>`` (a fake on PATH records it), with no ``hpc_ckpt`` written; the requeued run resumes
+    from our checkpoint although an ``hpc_ckpt_*.ckpt`` is present."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (fake / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    for k, v in dict(SLURM_JOB_ID="4242", SLURM_NTASKS="1", SLURM_JOB_NAME="train", SLURM_PROCID="0",
+                     SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost").items():
+        monkeypatch.setenv(k, v)
+    root, home = tmp_path / "ck", tmp_path / "home"
+
+    class Signal(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    def slurm_trainer(*callbacks, max_steps=12):
+        return trainer(home, max_steps=max_steps, callbacks=list(callbacks),
+                       plugins=[SLURMEnvironment(requeue_signal=signal.SIGUSR1)])
+
+    with pytest.raises(SystemExit) as stop:
+        slurm_trainer(DistributedCheckpoint(root, every_n_train_steps=100), Signal()).fit(lightning_train.Regressor())
+    assert stop.value.code == 143
+    assert committed(root) == [5]  # checkpoint callbacks run after the others: the step the signal came in
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert not list(home.glob("hpc_ckpt_*.ckpt"))
+
+    hpc_run = slurm_trainer(max_steps=2)
+    hpc_run.fit(lightning_train.Regressor())
+    hpc_run.save_checkpoint(home / "hpc_ckpt_1.ckpt")  # what Lightning's own handler would have left
+    requeued = DistributedCheckpoint(root, every_n_train_steps=100)
+    run = slurm_trainer(requeued, max_steps=8)
+    run.fit(lightning_train.Regressor())
+    assert requeued.resumed_from == 5 and run.global_step == 8
