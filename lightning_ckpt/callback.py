@@ -40,7 +40,7 @@ from ckpt_core.coordination import all_ranks_agree
 from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, checkpoint_target, load_model_weights
 
-from .data import ResumableTrainLoader, install_source
+from .data import NONE, ResumableTrainLoader, install_source
 from . import slurm
 from .paths import default_dirpath, is_ours
 from .state import LightningTrainerState
@@ -279,6 +279,12 @@ class DistributedCheckpoint(Checkpoint):
             dataloader=loader if isinstance(loader, ResumableTrainLoader) else None,
             extra={"lightning": LightningTrainerState(trainer, owner=self)},
         )
+        if isinstance(loader, ResumableTrainLoader) and loader.mode == NONE:
+            rank_zero_warn("DistributedCheckpoint: the training data loader keeps no position (an iterable without "
+                           "state_dict, not a StatefulDataLoader): a resume in the middle of an epoch re-reads the "
+                           "batches of the epoch already trained and drops them, which is exact only when the "
+                           "stream yields the same batches in the same order on every pass; a "
+                           "torchdata StatefulDataLoader resumes it in place")
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._restore(trainer)
 
@@ -308,10 +314,11 @@ class DistributedCheckpoint(Checkpoint):
             if sampler is not None and sampler.consumed:
                 # Lightning keeps counting this epoch's batches from where it was.
                 sampler.base_batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            elif loader.mode == "none" and trainer.fit_loop.epoch_loop.batch_progress.current.processed:
-                rank_zero_warn("DistributedCheckpoint: the training data loader keeps no position (not a plain "
-                               "DataLoader over a sized dataset, nor a StatefulDataLoader): this epoch restarts "
-                               "from its first batch")
+            elif loader.mode == NONE and trainer.fit_loop.epoch_loop.batch_progress.current.processed:
+                done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+                loader.skip_next(done)  # never train a batch of this epoch twice
+                rank_zero_info(f"DistributedCheckpoint: reading and dropping the {done} batches of this epoch "
+                               "trained before the checkpoint (the loader keeps no position)")
         fetcher = trainer.fit_loop._data_fetcher
         if fetcher is not None and fetcher.iterator is not None:
             iter(fetcher)  # Lightning built its iterator early (estimated_stepping_batches): use the restored state

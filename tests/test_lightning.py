@@ -322,3 +322,48 @@ def test_slurm_requeue_comes_after_our_checkpoint_and_the_requeued_run_resumes_f
     run = slurm_trainer(requeued, max_steps=8)
     run.fit(lightning_train.Regressor())
     assert requeued.resumed_from == 5 and run.global_step == 8
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    """A deterministic stream of 40 samples with no state: the same order on every pass."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        xs = torch.randn(40, 16, generator=g)
+        for i in range(40):
+            yield xs[i], xs[i].sum().reshape(1), i
+
+
+class _OnStream(lightning_train.Regressor):
+    def __init__(self):
+        super().__init__()
+        self.trained: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.trained.append(idx.tolist())
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_Numbers(), batch_size=4)
+
+
+def test_iterable_without_position_warns_at_start_and_never_trains_a_batch_twice(tmp_path):
+    """A plain DataLoader over an IterableDataset keeps no position: the first ``fit`` already says what a resume
+    does; a resume mid-epoch reads and drops the batches already trained, so the run trains what the uninterrupted
+    run trains (each sample once per epoch), in the same order."""
+    straight = _OnStream()
+    trainer(tmp_path / "a", max_steps=14, callbacks=[DistributedCheckpoint(tmp_path / "a" / "ck")]).fit(straight)
+
+    first, second = _OnStream(), _OnStream()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "b", max_steps=6,
+                callbacks=[DistributedCheckpoint(tmp_path / "b" / "ck", every_n_train_steps=3)]).fit(first)
+    assert any("keeps no position" in str(w.message) for w in caught)
+    cb = DistributedCheckpoint(tmp_path / "b" / "ck", every_n_train_steps=3)
+    trainer(tmp_path / "b", max_steps=14, callbacks=[cb]).fit(second)
+    assert cb.resumed_from == 6
+    assert first.trained + second.trained == straight.trained
+    epoch0 = [i for batch in (first.trained + second.trained)[:10] for i in batch]
+    assert epoch0 == list(range(40))

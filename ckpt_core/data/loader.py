@@ -27,6 +27,7 @@ from .sampler import ResumableDistributedSampler, find_resumable_sampler
 
 # Where the position lives: in the resumable sampler, in the loader's own ``state_dict``, nowhere.
 GLOBAL, STATEFUL, NONE = "global", "stateful", "none"
+_END = object()
 
 
 def _batch_size(loader: Any) -> Optional[int]:
@@ -75,6 +76,7 @@ class ResumableLoader:
         self._pending: Optional[Callable[[], None]] = None
         self._prefetch_rng: Optional[dict] = None  # restored: the RNG state before the first fetch
         self._ahead = marks_trained and self.mode == STATEFUL and sized_len(loader) is None
+        self._skip = 0
         self._begin_pass()
 
     @property
@@ -84,6 +86,16 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def skip_next(self, batches: int) -> None:
+        """The next pass reads and drops its first ``batches`` batches.
+
+        For a loader that keeps no position (mode ``none``): after a resume in
+        the middle of an epoch, the batches already trained are not trained
+        again. Exact when the stream yields the same batches on every pass;
+        costs reading them.
+        """
+        self._skip = max(0, int(batches))
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (the RNG restore) right after the next iterator is created."""
@@ -101,6 +113,10 @@ class ResumableLoader:
         it = iter(self.loader)
         restore, self._pending = self._pending, None
         self._begin_pass()
+        skip, self._skip = self._skip, 0
+        for _ in range(skip):  # before the RNG restore: reading them must not move the restored RNG
+            if next(it, _END) is _END:
+                break
         if restore is not None and not self._ahead:
             restore()  # creating the iterator drew from the RNG; training continues from the saved state
             restore = None
