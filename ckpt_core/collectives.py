@@ -11,6 +11,7 @@ while another waits: the mistakes that hang real jobs, caught in a unit test.
 
 from __future__ import annotations
 
+import logging
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+
+
+log = logging.getLogger("ckpt_core")
 
 
 class CollectiveMismatch(RuntimeError):
@@ -239,10 +243,7 @@ def ensure_process_group() -> None:
 
     store = dist.TCPStore("127.0.0.1", get_free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    import logging
-
-    logging.getLogger("ckpt_core").info(
-        "ckpt_core: started a 1-rank gloo process group for the background checkpoint process")
+    log.info("ckpt_core: started a 1-rank gloo process group for the background checkpoint process")
 
 
 def checkpoint_groups(async_mode: str) -> tuple[Any, Any]:
