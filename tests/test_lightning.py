@@ -367,3 +367,33 @@ def test_iterable_without_position_warns_at_start_and_never_trains_a_batch_twice
     assert first.trained + second.trained == straight.trained
     epoch0 = [i for batch in (first.trained + second.trained)[:10] for i in batch]
     assert epoch0 == list(range(40))
+
+
+def test_model_checkpoint_alongside_keeps_its_ckpt_files_and_state(tmp_path):
+    """``DistributedCheckpoint`` replaces the default ``ModelCheckpoint``; passed together, Lightning's ``.ckpt``
+    files are still written and ``ModelCheckpoint``'s state is restored from our checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root, mc_dir = tmp_path / "ck", tmp_path / "mc"
+
+    def callbacks():
+        return [DistributedCheckpoint(root, every_n_train_steps=4),
+                ModelCheckpoint(dirpath=mc_dir, every_n_train_steps=4, save_last=True)]
+
+    first = trainer(tmp_path, callbacks=callbacks())
+    first.fit(lightning_train.Regressor())
+    last_path = next(c for c in first.callbacks if isinstance(c, ModelCheckpoint)).last_model_path
+    assert committed(root) == [4, 8] and (mc_dir / "last.ckpt").exists()
+
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["last"] = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)).last_model_path
+
+    second = trainer(tmp_path, max_steps=12, callbacks=[*callbacks(), Look()])
+    second.fit(lightning_train.Regressor())
+    ours = next(c for c in second.callbacks if isinstance(c, DistributedCheckpoint))
+    assert ours.resumed_from == 8 and second.global_step == 12
+    assert seen["last"] == last_path  # ModelCheckpoint's state came back with our checkpoint
+    assert committed(root) == [4, 8, 12] and any("step=12" in p.name for p in mc_dir.iterdir())
