@@ -41,11 +41,12 @@ from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, checkpoint_target, load_model_weights
 
 from .data import NONE, ResumableTrainLoader, install_source
-from . import slurm
+from . import last, slurm
 from .paths import default_dirpath, is_ours
 from .state import LightningTrainerState
 
 log = logging.getLogger("lightning_ckpt")
+last.install()
 
 
 class DistributedCheckpoint(Checkpoint):
@@ -181,6 +182,10 @@ class DistributedCheckpoint(Checkpoint):
         """Whether no argument, ``settings`` value, variable or flag chose setting ``name``."""
         given = self._given_settings
         return self.sources[name] == "default" and (given is None or getattr(given, name) == schema()[name].default)
+
+    def last_checkpoint_root(self) -> Optional[str]:
+        """The root ``ckpt_path="last"`` refers to, when it is known before the trainer is set up (``last.py``)."""
+        return None if self._unset("dirpath") else self.settings.dirpath
 
     @property
     def state_key(self) -> str:

@@ -397,3 +397,30 @@ def test_model_checkpoint_alongside_keeps_its_ckpt_files_and_state(tmp_path):
     assert ours.resumed_from == 8 and second.global_step == 12
     assert seen["last"] == last_path  # ModelCheckpoint's state came back with our checkpoint
     assert committed(root) == [4, 8, 12] and any("step=12" in p.name for p in mc_dir.iterdir())
+
+
+def test_ckpt_path_last_means_our_newest_checkpoint_with_one_message(tmp_path, caplog):
+    """``fit(ckpt_path="last")`` without a ``ModelCheckpoint``: no "no last checkpoint" warning, a resume from the
+    newest valid checkpoint under ``dirpath``; ``validate(ckpt_path="last")`` evaluates its weights."""
+    import logging
+
+    root = tmp_path / "ck"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, callbacks=[DistributedCheckpoint(root, every_n_train_steps=4)]).fit(
+            lightning_train.Regressor(), ckpt_path="last")  # the first run: nothing yet, quietly
+    assert not [w for w in caught if "last" in str(w.message)]
+    cb = DistributedCheckpoint(root, every_n_train_steps=4)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_steps=12, callbacks=[cb]).fit(lightning_train.Regressor(), ckpt_path="last")
+    assert not [w for w in caught if "no last checkpoint" in str(w.message)]
+    assert cb.resumed_from == 8 and f"fit(ckpt_path='last') uses the newest valid checkpoint under {root}" in caplog.text
+
+    evaluated = _Evaluated()
+    trainer(tmp_path, callbacks=[DistributedCheckpoint(root)], limit_val_batches=1).validate(evaluated, ckpt_path="last")
+    reference = lightning_train.Regressor()
+    from ckpt_core.loop import load_model_weights
+
+    load_model_weights(reference, str(root), cb.settings)
+    assert all(torch.equal(evaluated.seen[k], v) for k, v in reference.state_dict().items())
