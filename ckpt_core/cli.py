@@ -546,7 +546,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                        f"(`ckpt ls {path}`)")
     fmt = args.format
     if fmt is None:
-        fmt = "torch" if args.out.lower().endswith((".pt", ".pth", ".bin")) else "safetensors"
+        suffix = args.out.lower()
+        fmt = "torch" if suffix.endswith((".pt", ".pth", ".bin")) else "lightning" if suffix.endswith(".ckpt") else (
+            "safetensors")
     try:
         result = export_model(path, args.out, format=fmt, dtype=args.dtype,
                               verify="checksum" if args.checksum else "size",
@@ -647,8 +649,9 @@ def _add_export(sub: Any) -> None:
                        "is not read.")
     p.add_argument("path", metavar="PATH")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--format", choices=("safetensors", "torch"), default=None,
-                   help="output format (default: torch for .pt/.pth/.bin, else safetensors)")
+    p.add_argument("--format", choices=("safetensors", "torch", "lightning"), default=None,
+                   help="output format (default: torch for .pt/.pth/.bin, lightning for .ckpt "
+                        "(LightningModule.load_from_checkpoint), else safetensors)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="cast floating-point weights (default: keep the saved dtypes)")
     p.add_argument("--checksum", action="store_true", help="verify CRC32C checksums before exporting")

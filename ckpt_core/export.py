@@ -32,10 +32,10 @@ from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join
 log = logging.getLogger("ckpt_core")
 
 __all__ = ["DTYPES", "FORMATS", "ExportError", "ExportResult", "InvalidCheckpointError", "export_model",
-           "model_tensor_metadata"]
+           "lightning_checkpoint", "model_tensor_metadata"]
 
 MODEL_PREFIX = "model."
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "lightning")
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -239,8 +239,10 @@ def export_model(
         path: a checkpoint directory (``<root>/step_<N>``), local or any fsspec URL.
         out: the file to write (local path or fsspec URL); written to a
             temporary name and renamed into place on local disk.
-        format: ``"safetensors"`` (``safetensors.torch.load_file``) or ``"torch"``
-            (``torch.load(out, weights_only=True)``).
+        format: ``"safetensors"`` (``safetensors.torch.load_file``), ``"torch"``
+            (``torch.load(out, weights_only=True)``) or ``"lightning"`` (a ``.ckpt``
+            that ``LightningModule.load_from_checkpoint`` accepts: the weights as
+            ``state_dict``, the module's hyperparameters, step and epoch).
         dtype: cast floating-point tensors to ``bf16``/``fp16``/``fp32`` (or a
             ``torch.dtype``); integer tensors and ``None`` keep the saved dtype.
         verify: check the checkpoint first: ``none``, ``size`` or ``checksum``.
@@ -261,12 +263,48 @@ def export_model(
     checked = manifest if verify != "none" else None
     tensors, skipped = _model_metadata(path, opts, checked)
     weights = _load_weights(tensors, path, opts, checked, target, batch_bytes, progress, on_progress)
-    _save(weights, out, format, path, step, opts)
+    if format == "lightning":
+        _save(lightning_checkpoint(weights, _rank0_small_state(path, opts, checked)), out, "torch", path, step, opts)
+    else:
+        _save(weights, out, format, path, step, opts)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     log.info("ckpt export: wrote %d tensors (%d bytes) from %s to %s", len(weights), nbytes, path, out)
     dtype_name = None if target is None else str(target).replace("torch.", "")
     return ExportResult(out=str(out), format=format, step=step, num_tensors=len(weights), bytes=nbytes,
                         dtype=dtype_name, skipped=skipped)
+
+
+def _rank0_small_state(path: str, opts: dict, manifest: Optional[Manifest]) -> dict:
+    """Rank 0's small state (progress, extras) of checkpoint ``path``, decoded with ``weights_only=True``."""
+    from .state import RANK_KEY, _from_blob
+
+    metadata = make_reader(path, opts, manifest).read_metadata()
+    entry = metadata.state_dict_metadata.get(f"{RANK_KEY}.0")
+    if entry is None:
+        raise InvalidCheckpointError(f"{path} holds no per-rank state")
+    buffers = {RANK_KEY: {"0": torch.empty(entry.size, dtype=torch.uint8)}}
+    _load_batch(buffers, path, opts, manifest)
+    try:
+        return _from_blob(buffers[RANK_KEY]["0"])
+    except Exception as e:  # noqa: BLE001 - a blob that does not decode: not a usable checkpoint
+        raise InvalidCheckpointError(f"{path}: rank 0's state does not decode: {describe(e)}") from None
+
+
+def lightning_checkpoint(weights: dict[str, torch.Tensor], small: dict) -> dict:
+    """The dict Lightning's ``load_from_checkpoint`` reads, from the model weights and rank 0's small state."""
+    extra = small.get("extra") if isinstance(small, dict) else None
+    saved = (extra or {}).get("lightning") or {}
+    progress = small.get("progress", {}) if isinstance(small, dict) else {}
+    out: dict[str, Any] = {
+        "state_dict": weights,
+        "epoch": int(progress.get("epoch", 0)),
+        "global_step": int(progress.get("step", 0)),
+        "pytorch-lightning_version": saved.get("lightning_version", "2.0.0"),
+        "hyper_parameters": dict(saved.get("hyper_parameters") or {}),
+    }
+    if saved.get("hparams_name"):
+        out["hparams_name"] = saved["hparams_name"]
+    return out
 
 
 def _load_batch(buffers: dict[str, torch.Tensor], path: str, opts: dict, manifest: Optional[Manifest]) -> None:

@@ -68,7 +68,21 @@ class LightningTrainerState:
             if state and self._safe("the datamodule", state):
                 datamodule = state
         precision = trainer.precision_plugin.state_dict()
-        return {"fit_loop": loop, "precision": precision, "callbacks": callbacks, "datamodule": datamodule}
+        return {"fit_loop": loop, "precision": precision, "callbacks": callbacks, "datamodule": datamodule,
+                **self._module_description()}
+
+    def _module_description(self) -> dict[str, Any]:
+        """What ``ckpt export --format lightning`` needs for ``load_from_checkpoint``: hyperparameters, version."""
+        import lightning
+
+        module = self.trainer.lightning_module
+        out: dict[str, Any] = {"lightning_version": lightning.__version__}
+        hparams = dict(getattr(module, "hparams", None) or {})
+        if hparams and self._safe("the LightningModule's hyperparameters", hparams):
+            out["hyper_parameters"] = hparams
+            if getattr(module, "_hparams_name", None):
+                out["hparams_name"] = module._hparams_name
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         trainer = self.trainer

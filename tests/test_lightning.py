@@ -424,3 +424,19 @@ def test_ckpt_path_last_means_our_newest_checkpoint_with_one_message(tmp_path, c
 
     load_model_weights(reference, str(root), cb.settings)
     assert all(torch.equal(evaluated.seen[k], v) for k, v in reference.state_dict().items())
+
+
+def test_export_lightning_ckpt_loads_with_load_from_checkpoint(tmp_path):
+    """``ckpt export --format lightning`` (also chosen by a ``.ckpt`` name) writes what
+    ``MyModule.load_from_checkpoint`` reads: the saved weights and the module's hyperparameters."""
+    from ckpt_core.cli import main as ckpt
+
+    root = tmp_path / "ck"
+    model = lightning_train.Regressor(samples=48, batch_size=4, lr=0.02)
+    trainer(tmp_path, max_steps=6, callbacks=[DistributedCheckpoint(root, every_n_train_steps=6)]).fit(model)
+    out = tmp_path / "model.ckpt"
+    assert ckpt(["export", str(root / "step_000000006"), str(out)]) == 0
+    loaded = lightning_train.Regressor.load_from_checkpoint(out)
+    assert (loaded.hparams.samples, loaded.hparams.batch_size, loaded.hparams.lr) == (48, 4, 0.02)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.load(out, weights_only=True)["global_step"] == 6
