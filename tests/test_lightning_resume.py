@@ -25,6 +25,8 @@ from conftest import kill_tree
 
 pytest.importorskip("lightning")
 
+from ckpt_core import list_records  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 MAX_STEPS, EVERY = 24, 4
@@ -187,3 +189,39 @@ def test_fsdp2_checkpoint_resumes_at_one_and_two_devices(tmp_path):
                                                                   "step_000000012"]  # untouched
     assert (tmp_path / "new" / "step_000000012" / "manifest.json").exists()
     assert list((tmp_path / "ck2" / "rolled_back").rglob("step_000000012"))
+
+
+def test_slurm_requeue_signal_to_one_rank_of_two(tmp_path):
+    """A 2-task DDP job under ``SLURMEnvironment`` (auto-requeue on SIGUSR1): the signal reaches rank 1 only; both
+    ranks save the same step and exit 143, rank 0 alone runs ``scontrol requeue`` (a fake on PATH records it), and
+    the requeued job resumes from that checkpoint."""
+    from conftest import WORKERS, free_port
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (fake / "scontrol").chmod(0o755)
+    root, out = tmp_path / "ck", tmp_path / "run"
+
+    def job(*extra: str) -> list[int]:
+        port, procs = str(free_port()), []
+        for rank in range(2):
+            env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+                   "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+                   "SLURM_JOB_NAME": "train", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                   "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "MASTER_PORT": port}
+            procs.append(subprocess.Popen([sys.executable, str(WORKERS / "slurm_worker.py"), "--root", str(root),
+                                           "--out", str(out), *extra], env=env, cwd=REPO,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        try:
+            return [p.wait(timeout=150) for p in procs]
+        finally:
+            for p in procs:
+                kill_tree(p.pid)
+
+    assert job("--signal-at", "5", "--signal-rank", "1") == [143, 143]
+    assert [r.step for r in list_records(str(root)) if r.committed] == [5]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert job() == [0, 0]
+    facts = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert [f["resumed_from"] for f in facts] == [5, 5] and [f["step"] for f in facts] == [12, 12]
