@@ -196,6 +196,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "over an IterableDataset without length")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--samples", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
@@ -256,6 +257,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         val_check_interval=args.val_every or None,
         check_val_every_n_epoch=None if args.val_every else 1,
         num_sanity_val_steps=0,
+        accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(model, ckpt_path=args.ckpt_path)
     summary = {"resumed_from": ckpt.resumed_from, "global_step": trainer.global_step,

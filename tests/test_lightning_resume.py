@@ -91,9 +91,10 @@ def exact_resume(tmp: Path, *args: str, kill_at: int, steps_per_epoch: int, base
     assert step is not None and step % EVERY == 0 and kill_at - 2 * EVERY <= step < kill_at, step
     assert step % steps_per_epoch != 0, f"step {step} is not mid-epoch"
     assert resumed.summary["global_step"] == MAX_STEPS
-    assert sorted(resumed.losses) == list(range(step + 1, MAX_STEPS + 1))
+    # with gradient accumulation the batches before the next optimizer step still report the restored step
+    assert set(range(step + 1, MAX_STEPS + 1)) <= set(resumed.losses) and min(resumed.losses) >= step
     ref = base.losses
-    assert all(killed.losses[s] == ref[s] for s in killed.losses)
+    assert all(killed.losses[s] == ref[s] for s in killed.losses if s < kill_at)  # the kill cuts kill_at's window
     diverged = [s for s, v in resumed.losses.items() if v != ref[s]]
     assert not diverged, f"losses differ from the uninterrupted run at steps {diverged}"
     assert_same_weights(base.weights(), resumed.weights())
@@ -126,6 +127,13 @@ def test_single_device_stateful_dataloader_resumes_bit_exact(tmp_path, loader):
     # replaced as a DataLoader's); "stream": a StatefulDataLoader over an IterableDataset without length,
     # which keeps its own position, and which Lightning reads one batch ahead of training
     exact_resume(tmp_path, *SINGLE, "--loader", loader, kill_at=15, steps_per_epoch=10)
+
+
+def test_gradient_accumulation_and_bf16_mixed_resume_bit_exact(tmp_path):
+    """accumulate_grad_batches=4 (3 optimizer steps an epoch of 10 batches), bf16-mixed autocast, validation
+    every 4 batches and a step-wise LR schedule: killed mid-epoch, resumed, identical to the uninterrupted run."""
+    exact_resume(tmp_path, *SINGLE, "--accumulate", "4", "--precision", "bf16-mixed", kill_at=11,
+                 steps_per_epoch=3)
 
 
 def test_sigterm_saves_at_the_step_boundary_and_resumes_bit_exact(single_plain_baseline, tmp_path):
