@@ -94,7 +94,31 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
         raise pickle.UnpicklingError(f"{source} is not valid DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(obj, Metadata):
         raise pickle.UnpicklingError(f"{source} does not hold DCP metadata (it holds a {type(obj).__name__})")
+    _check_storage_data(obj, source)
     return obj
+
+
+def _check_storage_data(metadata: Any, source: str) -> None:
+    """Every item lies in a plain file of the checkpoint directory, at a non-negative offset and length.
+
+    The readers join ``relative_path`` to the checkpoint directory; a path with
+    a separator or ``..`` would read a file outside it into the state.
+    """
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise pickle.UnpicklingError(f"{source}: storage_data is a {type(storage).__name__}, not a dict")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if (not isinstance(name, str) or not name or len(name) > 255 or name in (".", "..")
+                or any(c in name for c in "/\\\0")):
+            raise UnsafeCheckpointError(f"{source} places an item in {_show(repr(name))}, which is not a file of "
+                                        "the checkpoint directory; refusing to read it")
+        for field in ("offset", "length"):
+            value = getattr(info, field, None)
+            if type(value) is not int or value < 0:
+                raise pickle.UnpicklingError(f"{source}: an item of {name} has {field} {_show(repr(value))}")
 
 
 def _show(text: str) -> str:

@@ -96,11 +96,11 @@ class Saver:
     def start(self, step: int, state: TrainState, path: str, fields: dict, stats: SaveStats) -> InFlight:
         """Write ``state`` to ``path`` (collective); the save in flight. ``SaveError`` if it could not start."""
         s = self.settings
-        writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
-                             retries=s.write_retries, backoff_s=s.retry_backoff_s)
-        mode = self._mode_for(state)
         t0 = time.monotonic()
         try:
+            writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
+                                 retries=s.write_retries, backoff_s=s.retry_backoff_s)
+            mode = self._mode_for(state)
             fut = self._dispatch(mode, state, writer, DefaultSavePlanner(enable_plan_caching=True))
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if is_fatal(e):
@@ -121,6 +121,8 @@ class Saver:
         try:
             inflight.future.result()
         except BaseException as e:  # noqa: BLE001 - reported on the training side
+            if is_fatal(e):  # Ctrl-C while waiting stops the program, whatever on_save_error says
+                raise
             raise SaveError(inflight.step, e) from None
         inflight.stats.write_s = (inflight.t_done or time.monotonic()) - inflight.t_dispatch
         return inflight
@@ -135,8 +137,9 @@ class Saver:
             log.warning("ckpt_core: the save at step %d did not finish within %.0fs of exit; it stays "
                         "uncommitted", self.inflight.step, timeout_s)
             return False
-        except BaseException:  # noqa: BLE001 - reported by collect()
-            pass
+        except BaseException as e:  # noqa: BLE001 - reported by collect()
+            if is_fatal(e):
+                raise
         return True
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 STEP_PREFIX = "step_"
-_CHECKPOINT_DIR_RE = re.compile(r"^(?:step|checkpoint)_([0-9]{1,19})$", re.ASCII)
+_CHECKPOINT_DIR_RE = re.compile(r"(?:step|checkpoint)_([0-9]{1,19})", re.ASCII)
 """Directory names that discovery lists under a root: ``step_<N>`` (ours) and ``checkpoint_<N>`` (Accelerate's
 automatic naming), ASCII digits only. The number is a label; a checkpoint's step comes from its manifest."""
 MANIFEST_NAME = "manifest.json"
@@ -55,7 +55,7 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> Optional[int]:
     """The number in a ``step_<N>``/``checkpoint_<N>`` directory name (ASCII digits), or None for anything else."""
-    m = _CHECKPOINT_DIR_RE.match(basename(name))
+    m = _CHECKPOINT_DIR_RE.fullmatch(basename(name))  # not match(...$): "$" also matches before a final newline
     return int(m.group(1)) if m else None
 
 

@@ -255,6 +255,29 @@ def test_forged_tensor_item_never_runs(run, tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["../__0_0.distcp", "{root}/__0_0.distcp", "sub/../../__0_0.distcp", ".."])
+def test_metadata_placing_items_outside_the_checkpoint_is_refused(where, run, tmp_path, capsys):
+    """A re-signed .metadata whose items lie in a file outside the checkpoint directory (there, a copy of the
+    checkpoint's own shard, so every checksum matches): nothing is read from it, restore falls back."""
+    import dataclasses
+    import pickle
+
+    from ckpt_core.safe_pickle import load_dcp_metadata
+
+    root, weights = run
+    ckpt = _ckpt(root, 20)
+    shutil.copy(ckpt / "__0_0.distcp", root / "__0_0.distcp")
+    (ckpt / "sub").mkdir()
+    where = where.format(root=root)
+    md = load_dcp_metadata((ckpt / ".metadata").read_bytes(), ".metadata")
+    md.storage_data = {k: dataclasses.replace(v, relative_path=where) if v.relative_path == "__0_0.distcp" else v
+                       for k, v in md.storage_data.items()}
+    hostile.forge_file(ckpt, ".metadata", pickle.dumps(md))
+    _assert_falls_back(root, weights, reason="not a file of the checkpoint directory")
+    codes = _every_command(capsys, root, ckpt, tmp_path)
+    assert codes["verify"] == codes["export"] == codes["inspect"] == 1
+
+
 @pytest.mark.parametrize("content", [b"\x80\x04K\x01.", b"{}", b'{"prefix": "__0_", "files": {}}', b"[" * 100_000])
 def test_forged_sidecar_is_refused(content, run, capsys, tmp_path):
     root, weights = run
@@ -297,6 +320,35 @@ def test_synchronous_save_failure_follows_on_save_error(tmp_path, caplog):
     with CheckpointManager(url, on_save_error="raise", **opts) as m:
         with pytest.raises(SaveError, match="No space left"):
             m.save(2, state)
+
+
+def test_ctrl_c_out_of_the_save_in_flight_is_not_a_failed_save(tmp_path):
+    """KeyboardInterrupt or SystemExit while a save is collected stops the program even with on_save_error='warn';
+    any other exception out of the writer is a SaveError."""
+    from concurrent.futures import Future
+
+    from ckpt_core.saver import InFlight, SaveStats
+
+    def inflight(exc: BaseException) -> InFlight:
+        fut: Future = Future()
+        fut.set_exception(exc)
+        return InFlight(step=4, future=fut, stats=SaveStats(step=4, blocking_s=0.0), t_dispatch=0.0)
+
+    with CheckpointManager(str(tmp_path / "run"), on_save_error="warn", async_mode="thread",
+                           handle_preemption=False) as m:
+        saver = m._saver
+        for exc, expected in ((KeyboardInterrupt(), KeyboardInterrupt), (SystemExit(3), SystemExit),
+                              (RuntimeError("disk gone"), SaveError)):
+            saver.inflight = inflight(exc)
+            with pytest.raises(expected):
+                saver.collect(block=True)
+        for exc, expected in ((KeyboardInterrupt(), KeyboardInterrupt), (SystemExit(3), SystemExit)):
+            saver.inflight = inflight(exc)
+            with pytest.raises(expected):
+                saver.finish_within(1.0)  # the flush at interpreter exit
+        saver.inflight = inflight(RuntimeError("disk gone"))
+        assert saver.finish_within(1.0) is True  # a failed save is reported by collect(), not at exit
+        saver.inflight = None
 
 
 def test_flipped_byte_in_a_rank_blob_is_detected_by_default(run):
@@ -371,6 +423,17 @@ def test_directory_names_are_labels_and_ls_agrees_with_restore(run, capsys):
     assert body["newest_valid"] == 20
     assert [(c["step"], Path(c["path"]).name) for c in body["checkpoints"]] == [(10, "step_000000010"),
                                                                                (20, "step_25")]
+
+
+@pytest.mark.parametrize("raw, reason", [({"world_size": "2"}, "the manifest says world size 2"),
+                                         ({"epoch": "9"}, "do not belong together"),
+                                         ({"step": "25"}, "files of two checkpoints are mixed")])
+def test_manifest_that_disagrees_with_the_restored_state_falls_back(raw, reason, run):
+    """A well-formed manifest whose step, epoch or world size is not what the checkpoint's files hold."""
+    root, weights = run
+    hostile.set_manifest_fields(_ckpt(root, 20), raw)
+    said = _assert_falls_back(root, weights, bad=int(raw.get("step", 20)), reason=reason)
+    assert "step_000000020" in said
 
 
 def test_world_size_zero_agrees(run, capsys):

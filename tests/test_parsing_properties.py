@@ -129,8 +129,9 @@ def test_any_field_of_a_valid_sidecar_replaced_by_anything(key, value):
 def test_directory_names(name):
     n = parse_step_dirname(name)
     if n is not None:
-        assert name.startswith(("step_", "checkpoint_")) and name.split("_", 1)[1].isascii()
-        assert n == int(name.split("_", 1)[1])
+        digits = name.split("_", 1)[1]
+        assert name.startswith(("step_", "checkpoint_")) and digits.isascii() and digits.isdigit()
+        assert n == int(digits)
 
 
 @FAST
@@ -141,7 +142,8 @@ def test_step_dirnames_round_trip(step):
 
 
 @pytest.mark.parametrize("name", ["step_\u0662\u0660", "step_\uff11", "step_1\u200b", "step_", "step_-1", "Step_1",
-                                  "step_1.tmp", "checkpoint-1", "step_" + "9" * 20])
+                                  "step_1.tmp", "checkpoint-1", "step_" + "9" * 20, "step_1\n", "step_ 1",
+                                  "checkpoint_7\n"])
 def test_names_that_are_not_checkpoint_directories(name):
     assert parse_step_dirname(name) is None
 
