@@ -16,7 +16,8 @@ from ``CKPT_<NAME>`` environment variables and ``--ckpt.<name>`` flags
 Test hooks: ``--kill-at-step N`` SIGKILLs every process right after step N
 (a crash, no cleanup); ``--out DIR`` writes, per rank, one JSON line per step
 (loss as an exact float, the dataset indices of the batch) to
-``DIR/rank<R>.jsonl`` and the final weights to ``DIR/final_rank<R>.pt``.
+``DIR/rank<R>.jsonl``, the final weights to ``DIR/final_rank<R>.pt`` and the
+optimizer and scheduler state to ``DIR/final_optim_rank<R>.pt``.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def main(argv: list[str]) -> None:
     if out is not None:
         weights = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save(weights, os.path.join(args.out, f"final_rank{rank}.pt"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   os.path.join(args.out, f"final_optim_rank{rank}.pt"))
         out.write(json.dumps({"event": "end", "step": plugin.global_step,
                               "distributed_type": accelerator.distributed_type.value,
                               "process_group": torch.distributed.is_initialized()}) + "\n")

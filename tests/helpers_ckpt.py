@@ -15,12 +15,29 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from ckpt_core.storage import get_fs, join, step_dirname
+
+
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts/lists/tuples equal, every tensor ``torch.equal`` (same dtype and shape): optimizer states."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
 
 
 def tiny_model(seed: int = 0) -> nn.Module:

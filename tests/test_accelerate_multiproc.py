@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import kill_tree
+from helpers_ckpt import assert_same_tree
 import torch
 
 pytest.importorskip("accelerate")
@@ -151,6 +152,8 @@ def test_bit_exact_mid_epoch_resume_after_sigkill(loader, nproc, tmp_path, reque
         w_ref = torch.load(tmp_path / "ref" / f"final_rank{rank}.pt", weights_only=True)
         w = torch.load(tmp_path / "resumed" / f"final_rank{rank}.pt", weights_only=True)
         assert w.keys() == w_ref.keys() and all(torch.equal(w[k], w_ref[k]) for k in w)
+        assert_same_tree(torch.load(tmp_path / "ref" / f"final_optim_rank{rank}.pt", weights_only=True),
+                         torch.load(tmp_path / "resumed" / f"final_optim_rank{rank}.pt", weights_only=True))
 
 
 @pytest.mark.parametrize("new_nproc", [1, 3])
