@@ -12,7 +12,9 @@ checkpoint, if one is due, was handed to the background writer);
 saved and the run exits with code 143). ``--out PREFIX`` writes
 ``PREFIX.losses`` (``step loss`` per line, the loss as a float hex string, so
 runs compare exactly), ``PREFIX.json`` (where the run resumed from, its last
-step) and ``PREFIX.weights.pt`` (the final parameters, gathered).
+step), ``PREFIX.weights.pt`` (the final parameters, gathered) and
+``PREFIX.optim.pt`` (the final optimizer and scheduler states, DTensors
+gathered).
 """
 
 from __future__ import annotations
@@ -102,6 +104,21 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def optimizer_states(trainer: L.Trainer) -> dict[str, Any]:
+    """Every optimizer's and scheduler's ``state_dict``, with sharded (DTensor) state gathered (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: full(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(full(x) for x in v)
+        return v.full_tensor() if isinstance(v, DTensor) else v
+
+    return {"optimizers": [full(o.state_dict()) for o in trainer.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+
+
 class Regressor(L.LightningModule):
     """An MLP with dropout; AdamW with a step LR schedule; shards itself with FSDP2 under ModelParallelStrategy."""
 
@@ -176,11 +193,49 @@ class Regressor(L.LightningModule):
     def on_train_end(self) -> None:
         if self.hooks.get("weights_at_end"):
             self._dump(self.hooks["weights_at_end"])
+            optim = optimizer_states(self.trainer)
+            if self.trainer.is_global_zero:
+                torch.save(optim, self.hooks["weights_at_end"].replace(".weights.pt", ".optim.pt"))
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.trainer.global_step == self.hooks.get("sigterm_in_validation") and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _dump(self, path: str) -> None:
         weights = full_weights(self)
         if self.trainer.is_global_zero:
             torch.save(weights, path)
+
+
+class TwoOptimizers(Regressor):
+    """Manual optimization: AdamW on the first layers, SGD with momentum on the last, each with its own schedule.
+
+    Lightning counts an optimizer step of either optimizer, so ``global_step`` advances by 2 a batch.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        opts, scheds = self.optimizers(), self.lr_schedulers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt, sched in zip(opts, scheds):
+            opt.step()
+            sched.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        head = list(self.net[-1].parameters())
+        body = [p for p in self.net.parameters() if all(p is not h for h in head)]
+        adam = torch.optim.AdamW(body, lr=self.hparams.lr)
+        sgd = torch.optim.SGD(head, lr=self.hparams.lr, momentum=0.9)
+        return [adam, sgd], [torch.optim.lr_scheduler.StepLR(adam, 5, 0.8),
+                             torch.optim.lr_scheduler.CosineAnnealingLR(sgd, 40)]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -207,17 +262,47 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every rank right after this step")
     p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM every rank right after this step")
+    p.add_argument("--sigterm-in-validation", type=int, default=None,
+                   help="SIGTERM every rank during the validation that follows this step")
+    p.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
+    p.add_argument("--monitor", action="store_true",
+                   help="also ModelCheckpoint(monitor='val_loss') and EarlyStopping(monitor='val_loss')")
     p.add_argument("--out", default=None, help="prefix of the loss/summary/weights files")
     p.add_argument("--weights-at-start", action="store_true", help="write OUT.start.pt when training starts")
     p.add_argument("--weights-at-step", type=int, default=None, help="write OUT.step<N>.pt after step N")
     return p.parse_args(argv)
 
 
+def monitoring_callbacks(args: argparse.Namespace) -> list[Any]:
+    """ModelCheckpoint (best 2 by val_loss, under DIRPATH.best/) and EarlyStopping, when ``--monitor`` is given."""
+    if not args.monitor:
+        return []
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    # beside the checkpoint root, so a resumed run finds the directory its restored state names
+    best = ModelCheckpoint(dirpath=f"{args.dirpath}.best", monitor="val_loss", save_top_k=2, filename="{step}")
+    return [best, EarlyStopping(monitor="val_loss", patience=3, min_delta=0.2)]
+
+
+def monitoring_summary(callbacks: list[Any]) -> dict:
+    """The restored-or-carried state of ModelCheckpoint and EarlyStopping, as plain numbers."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    out: dict[str, Any] = {}
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            out["best_k"] = sorted((os.path.basename(p), float(v)) for p, v in cb.best_k_models.items())
+            out["best_score"] = float(cb.best_model_score)
+        elif isinstance(cb, EarlyStopping):
+            out["es"] = {"wait": cb.wait_count, "best": float(cb.best_score), "stopped_epoch": cb.stopped_epoch}
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
-    model = Regressor(samples=args.samples, batch_size=args.batch_size, loader=args.loader,
+    model = (TwoOptimizers if args.manual else Regressor)(samples=args.samples, batch_size=args.batch_size, loader=args.loader,
                       num_workers=args.num_workers, val_batches=2 if args.val_every else 0)
     out = args.out
     model.hooks = {
@@ -228,10 +313,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "weights_at_end": f"{out}.weights.pt" if out else None,
         "kill_at_step": args.kill_at_step,
         "sigterm_at_step": args.sigterm_at_step,
+        "sigterm_in_validation": args.sigterm_in_validation,
     }
     ckpt = DistributedCheckpoint(dirpath=args.dirpath, every_n_train_steps=args.every_n_steps,
                                  keep_last=args.keep_last, async_mode=args.async_mode,
                                  save_on_exception=args.save_on_exception)
+    callbacks: list[Any] = [ckpt, *monitoring_callbacks(args)]
     strategy: Any = args.strategy
     if args.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -248,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
-        callbacks=[ckpt],
+        callbacks=callbacks,
         logger=logger,
         log_every_n_steps=1,
         enable_progress_bar=False,
@@ -261,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     )
     trainer.fit(model, ckpt_path=args.ckpt_path)
     summary = {"resumed_from": ckpt.resumed_from, "global_step": trainer.global_step,
-               "epoch": trainer.current_epoch}
+               "epoch": trainer.current_epoch, **monitoring_summary(callbacks)}
     if out and trainer.is_global_zero:
         with open(f"{out}.json", "w") as f:
             json.dump(summary, f)

@@ -43,7 +43,7 @@ from ckpt_core.loop import LoopDriver, checkpoint_target, load_model_weights
 from .data import NONE, ResumableTrainLoader, install_source
 from . import last, slurm
 from .paths import default_dirpath, is_ours
-from .state import LightningTrainerState
+from .state import LightningTrainerState, validation_follows
 
 log = logging.getLogger("lightning_ckpt")
 last.install()
@@ -166,6 +166,7 @@ class DistributedCheckpoint(Checkpoint):
         self._start_step = 0
         self._boundary: Optional[tuple[int, int]] = None
         self._val_rng: Optional[dict] = None
+        self._pending: Optional[tuple[int, Any]] = None  # (step, loss) whose save waits for its validation
         self._validating_in_fit = False
         self._driver: Optional[LoopDriver] = None
 
@@ -212,6 +213,9 @@ class DistributedCheckpoint(Checkpoint):
                 logger.log_metrics(metrics, step=trainer.global_step)
 
         self._driver = LoopDriver(self.manager, log_metrics if trainer.is_global_zero else None)
+        # Last of all callbacks: a save after validation holds what ModelCheckpoint, EarlyStopping and the
+        # rest recorded in their own on_validation_end. A new list: Lightning is iterating the current one.
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
         if not any(getattr(self.settings, k) for k in ("every_n_steps", "every_seconds", "interval")):
             rank_zero_warn("DistributedCheckpoint has no save trigger (every_n_train_steps, train_time_interval, "
                            "interval='auto'): it saves only on preemption or exception")
@@ -350,13 +354,33 @@ class DistributedCheckpoint(Checkpoint):
         self._last_step = step
         self._boundary = (step, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         state.dataloader = loader
-        self._driver.on_step(step, state, loss=_loss_of(outputs), metrics=self._monitored(trainer))
+        self._pending = (step, _loss_of(outputs))
+        if not validation_follows(trainer):
+            self._step_done(trainer)
+
+    def _step_done(self, trainer: "pl.Trainer") -> None:
+        """Hand the step to the loop driver: the loss check, and the save when one is due."""
+        step, loss = self._pending
+        self._pending = None
+        self._driver.on_step(step, self.state, loss=loss, metrics=self._monitored(trainer))
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self._pending is not None:  # the validation expected after the last step did not run
+            rank_zero_warn(f"DistributedCheckpoint: step {self._pending[0]} was to be handled after its validation,"
+                           " which did not run; no checkpoint is taken for it")
+            self._pending = None
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A resumed run skips the validation that ran right after its checkpoint (Lightning counts it as
-        # done), so validation must leave the training RNG where it was for the two runs to stay identical.
-        if self._val_rng is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        # A checkpoint is taken after the validation that follows its step, so a resumed run starts where the
+        # uninterrupted one was after it (Lightning does not run it again); the training RNG is left as
+        # validation found it.
+        if self._val_rng is not None:
             rng.apply(self._val_rng)
+        if self._pending is not None:
+            self._step_done(trainer)
 
     def _current_loader(self) -> Optional[ResumableTrainLoader]:
         current = getattr(self._source, "current", None)
@@ -371,6 +395,8 @@ class DistributedCheckpoint(Checkpoint):
     # ------------------------------------------------------------ end, faults
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._driver is not None:
+            if self._pending is not None:
+                self._step_done(trainer)
             self._driver.finish()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -412,6 +438,7 @@ class DistributedCheckpoint(Checkpoint):
                            + ("not every rank reached the exception handler at this step" if consistent
                               else "the state is not at a step boundary"))
             return
+        self._pending = None
         if trainer.validating and self._val_rng is not None:
             rng.apply(self._val_rng)  # interrupted validation: the training RNG as validation found it
         try:

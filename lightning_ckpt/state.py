@@ -95,3 +95,15 @@ class LightningTrainerState:
                 cb.load_state_dict(copy.deepcopy(saved[cb.state_key]))
         if trainer.datamodule is not None and state.get("datamodule"):
             trainer.datamodule.load_state_dict(state["datamodule"])
+
+
+def validation_follows(trainer: Any) -> bool:
+    """Whether Lightning validates right after the batch that just ended (asked in ``on_train_batch_end``).
+
+    The same test the training epoch loop makes after the batch, over the same counters, so every rank
+    answers alike. A time-based ``val_check_interval`` answers "no": the clock moves between the two checks.
+    """
+    if getattr(trainer, "_val_check_time_interval", None) is not None or not trainer.enable_validation:
+        return False
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))

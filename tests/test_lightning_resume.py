@@ -22,6 +22,7 @@ from typing import Optional
 import pytest
 import torch
 from conftest import kill_tree
+from helpers_ckpt import assert_same_tree
 
 pytest.importorskip("lightning")
 
@@ -75,12 +76,13 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 def exact_resume(tmp: Path, *args: str, kill_at: int, steps_per_epoch: int, base: Optional[Run] = None,
-                 base_args: tuple[str, ...] = ("--async-mode", "thread")) -> Run:
+                 base_args: tuple[str, ...] = ("--async-mode", "thread"), async_mode: str = "thread",
+                 max_steps: int = MAX_STEPS) -> Run:
     """Uninterrupted (``base``, started here unless given) vs SIGKILLed-then-resumed; returns the resumed run."""
-    common = ["--max-steps", str(MAX_STEPS), "--every-n-steps", str(EVERY), *args]
+    common = ["--max-steps", str(max_steps), "--every-n-steps", str(EVERY), *args]
     if base is None:
         base = Run(tmp / "base", "--dirpath", str(tmp / "base_ck"), *common, *base_args)
-    run_args = [*common, "--async-mode", "thread"]
+    run_args = [*common, "--async-mode", async_mode]
     killed = Run(tmp / "killed", "--dirpath", str(tmp / "ck"), "--kill-at-step", str(kill_at), *run_args)
     killed.finish(expect_rc=-signal.SIGKILL)
     resumed = Run(tmp / "resumed", "--dirpath", str(tmp / "ck"), *run_args).finish()
@@ -90,14 +92,18 @@ def exact_resume(tmp: Path, *args: str, kill_at: int, steps_per_epoch: int, base
     # the newest checkpoint committed before the kill (the one due just before may still have been writing)
     assert step is not None and step % EVERY == 0 and kill_at - 2 * EVERY <= step < kill_at, step
     assert step % steps_per_epoch != 0, f"step {step} is not mid-epoch"
-    assert resumed.summary["global_step"] == MAX_STEPS
-    # with gradient accumulation the batches before the next optimizer step still report the restored step
-    assert set(range(step + 1, MAX_STEPS + 1)) <= set(resumed.losses) and min(resumed.losses) >= step
+    # where training ended, and the state of ModelCheckpoint/EarlyStopping when the run has them
+    assert {k: v for k, v in resumed.summary.items() if k != "resumed_from"} == \
+        {k: v for k, v in base.summary.items() if k != "resumed_from"}
     ref = base.losses
+    # every step after the restored one (with gradient accumulation, batches before the next optimizer step
+    # still report the restored step)
+    assert {s for s in ref if s > step} <= set(resumed.losses) and min(resumed.losses) >= step
     assert all(killed.losses[s] == ref[s] for s in killed.losses if s < kill_at)  # the kill cuts kill_at's window
     diverged = [s for s, v in resumed.losses.items() if v != ref[s]]
     assert not diverged, f"losses differ from the uninterrupted run at steps {diverged}"
     assert_same_weights(base.weights(), resumed.weights())
+    assert_same_tree(base.weights("optim"), resumed.weights("optim"))  # moments, step counts, LR schedules
     assert "resume check" not in resumed.text  # the core's own first-losses comparison agreed too
     return resumed
 
@@ -134,6 +140,35 @@ def test_gradient_accumulation_and_bf16_mixed_resume_bit_exact(tmp_path):
     every 4 batches and a step-wise LR schedule: killed mid-epoch, resumed, identical to the uninterrupted run."""
     exact_resume(tmp_path, *SINGLE, "--accumulate", "4", "--precision", "bf16-mixed", kill_at=11,
                  steps_per_epoch=3)
+
+
+def test_manual_optimization_with_model_checkpoint_and_early_stopping_resumes_bit_exact(tmp_path):
+    """Two optimizers stepped by hand (global_step advances by 2 a batch), ModelCheckpoint(monitor='val_loss')
+    and EarlyStopping beside ours. The checkpoint of step 16 is taken after the validation that follows it, so
+    the resumed run holds that validation's top-k entry and patience count, as the uninterrupted run did:
+    both stop early at the same step with the same best scores."""
+    resumed = exact_resume(tmp_path, *SINGLE, "--manual", "--monitor", kill_at=18, steps_per_epoch=20,
+                           async_mode="off", max_steps=48)
+    assert resumed.summary["resumed_from"] == 16  # a checkpoint taken right after a validation
+    assert resumed.summary["global_step"] < 48 and resumed.summary["es"]["wait"] == 3  # EarlyStopping stopped it
+    assert sorted(p.name for p in Path(f"{tmp_path / 'ck'}.best").iterdir()) == [n for n, _ in
+                                                                                 resumed.summary["best_k"]]
+
+
+def test_sigterm_during_validation_saves_the_step_it_follows(single_plain_baseline, tmp_path):
+    """SIGTERM while the validation after step 12 runs (no save due there: every 5 steps): step 12 is saved
+    once that validation ends, the run exits 143, and the resume loses no step."""
+    _, base = single_plain_baseline
+    common = ["--max-steps", str(MAX_STEPS), *SINGLE]
+    Run(tmp_path / "term", "--dirpath", str(tmp_path / "ck"), "--every-n-steps", "5", "--sigterm-in-validation",
+        "12", *common).finish(expect_rc=143)
+    assert [r.step for r in list_records(str(tmp_path / "ck")) if r.committed] == [5, 10, 12]
+    resumed = Run(tmp_path / "resumed", "--dirpath", str(tmp_path / "ck"), "--every-n-steps", "5", *common).finish()
+    base.finish()
+    assert resumed.summary["resumed_from"] == 12
+    assert sorted(resumed.losses) == list(range(13, MAX_STEPS + 1))
+    assert [s for s, v in resumed.losses.items() if v != base.losses[s]] == []
+    assert_same_weights(base.weights(), resumed.weights())
 
 
 def test_sigterm_saves_at_the_step_boundary_and_resumes_bit_exact(single_plain_baseline, tmp_path):
