@@ -115,9 +115,12 @@ def barrier() -> None:
 
 
 def stop_dcp_process() -> None:
-    """Terminate DCP's background checkpoint process (if this process started one) and reap it."""
+    """Terminate the background checkpoint process (ours, and torch's if something started it) and reap it."""
     import gc
 
+    from ckpt_core import background
+
+    background.PROCESS.stop()
     try:
         from torch.distributed.checkpoint import _async_process_executor as ape
     except ImportError:  # pragma: no cover - older torch

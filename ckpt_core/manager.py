@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from . import background
 from .collectives import RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group, rank0_decides
 from .config import CheckpointSettings, resolve_entry_point
 from .decisions import GO, SKIP, SaveContext, skip_reason, wanted, while_in_flight
@@ -54,13 +55,24 @@ EXIT_FLUSH_TIMEOUT_S = 120.0
 
 @atexit.register
 def _flush_at_exit() -> None:
-    """Give an in-flight save a bounded time to commit at interpreter exit (never hang the exit)."""
-    for m in list(_LIVE):
-        try:
-            if m._saver.finish_within(EXIT_FLUSH_TIMEOUT_S):
-                m.close()
-        except Exception as e:  # noqa: BLE001 - best effort at interpreter exit
-            log.warning("ckpt_core: could not flush checkpoints at exit: %s", e)
+    """Give saves still writing a bounded time to commit at interpreter exit (never hang the exit).
+
+    One deadline for all: open managers are closed (commit bookkeeping, retention),
+    then saves of managers dropped without ``close()`` get the time left. Ctrl-C ends
+    the wait (a second SIGTERM kills the process: ``preemption``).
+    """
+    deadline = time.monotonic() + EXIT_FLUSH_TIMEOUT_S
+    try:
+        for m in list(_LIVE):
+            try:
+                if m._saver.finish_within(deadline - time.monotonic()):
+                    m.close()
+            except Exception as e:  # noqa: BLE001 - best effort at interpreter exit
+                log.warning("ckpt_core: could not flush checkpoints at exit: %s", e)
+        if not background.wait_pending(max(deadline - time.monotonic(), 0.0)):
+            log.warning("ckpt_core: saves still writing %.0fs after exit stay uncommitted", EXIT_FLUSH_TIMEOUT_S)
+    except KeyboardInterrupt:
+        log.warning("ckpt_core: interrupted at exit; saves still writing stay uncommitted")
 
 
 class CheckpointManager:
@@ -108,6 +120,7 @@ class CheckpointManager:
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
         self._metrics_callbacks = list(metrics_callbacks)
         self._committed: set[int] = set()
+        self._inflight_dirname = ""  # the directory of the save in flight (one at a time)
         self._last_save_time = time.monotonic()
         self._n_saves = 0
         self._closed = False
@@ -149,13 +162,22 @@ class CheckpointManager:
         self._check_open()
         self._poll(block=False)
 
-    def save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
-        """Save ``state`` as checkpoint ``step`` (collective). Returns False when skipped."""
-        self._check_open()
-        self._poll(block=False)
-        return self._save(SaveContext(step, requested=True), state, metrics)
+    def save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None, *,
+             name: Optional[str] = None) -> bool:
+        """Save ``state`` as checkpoint ``step`` (collective). Returns False when skipped.
 
-    def _save(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
+        ``name``: the checkpoint's directory under the root (default ``step_<N>``),
+        a single path component; a named save is made even when ``step`` is
+        already committed under another name.
+        """
+        self._check_open()
+        if name is not None and (not name or name in (".", "..") or any(c in name for c in "/\\\0")):
+            raise ValueError(f"checkpoint directory name {name!r} must be a single path component")
+        self._poll(block=False)
+        return self._save(SaveContext(step, requested=True), state, metrics, name)
+
+    def _save(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]],
+              name: Optional[str] = None) -> bool:
         """Decide (``decisions``) and start the save of ``ctx.step``; collective when the save is wanted."""
         if not wanted(ctx):
             return False
@@ -173,13 +195,13 @@ class CheckpointManager:
             log.info("ckpt_core: save at step %d waits for the save at step %s to finish writing (%s)",
                      step, prev, reason)
             self._poll(block=True)
-        why_not = skip_reason(replace(ctx, committed=step in self._committed))
+        why_not = skip_reason(replace(ctx, committed=name is None and step in self._committed))
         if why_not is not None:
             log.info("ckpt_core: not saving step %d: %s", step, why_not)
             return False
-        return self._start(step, state, metrics)
+        return self._start(step, state, metrics, name or step_dirname(step))
 
-    def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
+    def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]], dirname: str) -> bool:
         fields = {
             "checkpoint_id": new_checkpoint_id(self._run_id, step), "step": step, "epoch": state.epoch,
             "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
@@ -188,7 +210,8 @@ class CheckpointManager:
         stats = SaveStats(step=step, blocking_s=0.0, first=self._n_saves == 0, interval_s=self.schedule.interval_s)
         self._n_saves += 1
         try:
-            inflight = self._saver.start(step, state, join(self.root, step_dirname(step)), fields, stats)
+            inflight = self._saver.start(step, state, join(self.root, dirname), fields, stats)
+            self._inflight_dirname = dirname
         except SaveError as e:
             self._save_failed(e)
             return False
@@ -214,15 +237,22 @@ class CheckpointManager:
         stats.committed = True
         self._committed.add(inflight.step)
         if self.rank == 0:
-            failure = _read_commit(self.fs, join(self._root_path, step_dirname(inflight.step)), stats)
+            failure = _read_commit(self.fs, join(self._root_path, self._inflight_dirname), stats)
             if failure is not None:
                 self._save_failed(failure)
                 return
-            self._retainer.submit(self._retain, stats)
+            self._retain_in_background(stats)
         else:
             self._report(stats)
         log.info("ckpt_core: committed step %d (stall %.3fs, write %.3fs, %d bytes)",
                  stats.step, stats.blocking_s, stats.write_s, stats.bytes)
+
+    def _retain_in_background(self, stats: SaveStats) -> None:
+        """Retention on the retainer's thread; here when thread pools take no new work (interpreter exit)."""
+        try:
+            self._retainer.submit(self._retain, stats)
+        except RuntimeError:  # "cannot schedule new futures after [interpreter] shutdown"
+            self._retain(stats)
 
     def _save_failed(self, err: SaveError) -> None:
         if self.settings.on_save_error == "raise":

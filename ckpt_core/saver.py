@@ -5,6 +5,11 @@ mode of each save (``async_mode``, or synchronous when the state exceeds
 ``max_host_memory_bytes``), and tracks the save in flight. What a save
 contains and when it is due are the manager's business; commit bookkeeping
 happens when the manager collects a finished save.
+
+Staging happens here, on the training thread; the write then runs where
+``background`` says: the checkpoint process shared by every saver of this
+Python process (``async_mode="process"``: requests go to it one at a time, so
+any number of managers can save concurrently), or a daemon thread.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
 
+from . import background
 from .collectives import RankGroup, all_done
 from .config import CheckpointSettings
 from .dcp_io import make_writer
@@ -117,13 +123,18 @@ class Saver:
         inflight = self.inflight
         if inflight is None or (not block and not inflight.future.done()):
             return None
-        self.inflight = None
         try:
             inflight.future.result()
         except BaseException as e:  # noqa: BLE001 - reported on the training side
             if is_fatal(e):  # Ctrl-C while waiting stops the program, whatever on_save_error says
+                if inflight.future.done():
+                    self.inflight = None
+                else:  # still writing from the staging buffers: keep it in flight, but never wait for it at exit
+                    background.abandon(inflight.future)
                 raise
+            self.inflight = None
             raise SaveError(inflight.step, e) from None
+        self.inflight = None
         inflight.stats.write_s = (inflight.t_done or time.monotonic()) - inflight.t_dispatch
         return inflight
 
@@ -131,8 +142,10 @@ class Saver:
         """Wait up to ``timeout_s`` for the save in flight (interpreter exit); False if it is still writing."""
         if self.inflight is None:
             return True
+        if not self.inflight.future.done() and not background.is_pending(self.inflight.future):
+            return False  # a Ctrl-C interrupted the wait for it: the program is stopping
         try:
-            self.inflight.future.result(timeout=timeout_s)
+            self.inflight.future.result(timeout=max(timeout_s, 0.0))
         except FutureTimeout:
             log.warning("ckpt_core: the save at step %d did not finish within %.0fs of exit; it stays "
                         "uncommitted", self.inflight.step, timeout_s)
@@ -147,7 +160,12 @@ class Saver:
             self.stager.close()
 
     def _dispatch(self, mode: str, state: TrainState, writer: Any, planner: Any) -> Future:
-        """Run the save synchronously (``off``) or hand it to DCP's async machinery; a future either way."""
+        """Run the save synchronously (``off``), or stage it here and write it in the background; a future.
+
+        Not ``dcp.async_save``: in process mode it would share torch's one checkpoint
+        process unsafely between managers, and its writer threads are joined without
+        a bound at interpreter exit (``background`` explains both).
+        """
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -156,9 +174,13 @@ class Saver:
                 fut: Future = Future()
                 fut.set_result(None)
                 return fut
-            kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
-            return dcp.async_save(state.state_dict(), storage_writer=writer, planner=planner,
-                                  process_group=self._pg, async_checkpointer_type=kind, async_stager=self.stager)
+            assert self.stager is not None
+            staged = self.stager.stage(_plain_state_dict(state.state_dict()))
+            if mode == "process":
+                init = background.PROCESS.init_info(self._pg, self._control)  # collective when ranks > 1
+                return background.PROCESS.submit(staged, writer, planner, init)
+            return background.run_on_thread(dcp.save, staged, storage_writer=writer, planner=planner,
+                                            process_group=self._pg)
 
     def _mode_for(self, state: TrainState) -> str:
         mode, limit = self.settings.async_mode, self.settings.max_host_memory_bytes
@@ -169,6 +191,11 @@ class Saver:
                             "(no staging copy) instead of asynchronously", nbytes, limit)
                 return "off"
         return mode
+
+
+def _plain_state_dict(state_dict: dict) -> dict:
+    """A shallow copy, every ``Stateful`` value replaced by its ``state_dict()`` (what ``dcp.async_save`` stages)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def state_bytes(state: TrainState) -> int:

@@ -1,0 +1,232 @@
+"""Where asynchronous saves run: one checkpoint process shared by every ``Saver`` of this Python process, or a thread.
+
+Why not ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: torch keeps
+ONE checkpoint process per Python process in a module global
+(``torch/distributed/checkpoint/_async_process_executor.py``:
+``_CHECKPOINT_PROCESS``), but every ``async_save`` call builds a new
+``_ProcessBasedAsyncCheckpointExecutor`` with a thread of its own, which
+
+* tests ``_CHECKPOINT_PROCESS is None`` on the caller's thread and assigns it
+  on the executor's thread: two saves dispatched before the first process is
+  up spawn two processes, and the one overwritten is terminated by
+  ``_AsyncCheckpointProcess.__del__`` while a save may be using it;
+* calls ``_CHECKPOINT_PROCESS.save()`` (``_send`` then ``_wait_for_response``:
+  a bare ``Connection.recv``) from each executor thread at once: concurrent
+  reads of one pipe tear messages (``UnpicklingError: invalid load key``, an
+  ``EOFError`` reported as "Checkpoint background process is dead. Exit code:
+  None") or hand one save's reply to another save's thread, which leaves the
+  other thread in ``recv`` while the process waits for the next request:
+  each waits for the other, forever;
+* never replaces a process that died: every later save fails.
+
+Several ``CheckpointManager`` objects in one process (notebooks, sweeps, test
+suites, an ``Accelerator`` per run) dispatch concurrently, so this module owns
+the process instead (torch's ``_AsyncCheckpointProcess``, never torch's
+global, so code that uses ``dcp.async_save`` itself cannot disturb it):
+requests go to it from ONE dispatcher thread, in order (the process serves
+one request at a time anyway, so nothing is lost); it is started by the first
+process-mode save, replaced when a save finds it dead, and it lives until
+interpreter exit, whatever managers are created, closed or dropped.
+
+Both modes write on daemon threads, not on ``concurrent.futures`` workers,
+which the interpreter joins without a bound before ``atexit`` handlers run:
+at exit the only wait for a save is ``CheckpointManager``'s bounded flush
+(``wait_pending``), and Ctrl-C or a second SIGTERM ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("ckpt_core")
+
+_PENDING_LOCK = threading.Lock()
+_PENDING: set[Future] = set()
+"""Futures of saves still writing, whoever dispatched them (a manager dropped without close() included)."""
+
+
+def _track(fut: Future) -> Future:
+    with _PENDING_LOCK:
+        _PENDING.add(fut)
+    fut.add_done_callback(abandon)
+    return fut
+
+
+def abandon(fut: Future) -> None:
+    """Stop counting ``fut`` as pending: ``wait_pending`` no longer waits for it (done, or its wait was interrupted)."""
+    with _PENDING_LOCK:
+        _PENDING.discard(fut)
+
+
+def is_pending(fut: Future) -> bool:
+    with _PENDING_LOCK:
+        return fut in _PENDING
+
+
+def wait_pending(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every save still writing; False if some did not finish (interpreter exit)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _PENDING_LOCK:
+            pending = list(_PENDING)
+        if not pending:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            pending[0].exception(timeout=left)  # done: its callback drops it from the pending set
+        except Exception:  # noqa: BLE001 - a timeout ends the loop above; a failed save is reported elsewhere
+            pass
+
+
+def run_on_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """``fn(*args, **kwargs)`` on a daemon thread of its own (async_mode="thread"); its future."""
+    fut: Future = Future()
+
+    def body() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the training side through the future
+            fut.set_exception(e)
+
+    _track(fut)
+    threading.Thread(target=body, name="ckpt-writer", daemon=True).start()
+    return fut
+
+
+@dataclass
+class _Job:
+    staged: Any
+    writer: Any
+    planner: Any
+    init: Optional[Any]
+    future: Future
+
+
+class SharedCheckpointProcess:
+    """The one DCP checkpoint process of this Python process and the one thread that talks to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._proc: Any = None
+        self._starts_queued = 0
+
+    def needs_start(self) -> bool:
+        """Whether the next save must start the process: none is alive and no queued save starts one."""
+        with self._lock:
+            return self._starts_queued == 0 and not _alive(self._proc)
+
+    def init_info(self, process_group: Any, control: Any) -> Optional[Any]:
+        """On the training thread, on every rank together: what the next save needs to (re)start the process.
+
+        Starting is collective (DCP's ``_ProcessGroupInitInfo`` broadcasts a port,
+        and the processes of all ranks form one gloo group), so with several ranks
+        they agree first: if any rank's process is gone, every rank starts a new one.
+        """
+        from torch.distributed.checkpoint._async_process_executor import _ProcessGroupInitInfo
+
+        need = self.needs_start()
+        if getattr(control, "world_size", 1) > 1:
+            need = bool(control.all_max(int(need)))
+        return _ProcessGroupInitInfo(process_group) if need else None
+
+    def submit(self, staged: Any, writer: Any, planner: Any, init: Optional[Any]) -> Future:
+        """Queue one save of the staged state dict; its future. ``init`` (from ``init_info``) restarts the process."""
+        fut: Future = Future()
+        with self._lock:
+            if init is not None:
+                self._starts_queued += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="ckpt-process-dispatch", daemon=True)
+                self._thread.start()
+        _track(fut)
+        self._jobs.put(_Job(staged, writer, planner, init, fut))
+        return fut
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate the process (benchmarks, tests); the next process-mode save starts a new one."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        _stop(proc, timeout_s)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    self._run(job)
+            finally:
+                if job.init is not None:
+                    with self._lock:
+                        self._starts_queued -= 1
+                del job  # the staged tensors are freed now, not when the next request arrives
+
+    def _run(self, job: _Job) -> None:
+        try:
+            proc = self._process_for(job)
+            result = proc.save(staged_state_dict=job.staged, storage_writer=job.writer, planner=job.planner)
+        except BaseException as e:  # noqa: BLE001 - handed to the training side through the future
+            job.future.set_exception(e)
+        else:
+            job.future.set_result(result)
+
+    def _process_for(self, job: _Job) -> Any:
+        from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+
+        if job.init is not None:
+            with self._lock:
+                old, self._proc = self._proc, None
+            _stop(old)
+            proc = _AsyncCheckpointProcess(job.init)  # spawns it and waits until its process group is up
+            with self._lock:
+                self._proc = proc
+            return proc
+        with self._lock:
+            proc = self._proc
+        if not _alive(proc):
+            code = getattr(getattr(proc, "_save_process", None), "exitcode", None)
+            raise RuntimeError(f"the checkpoint writer process is dead (exit code {code}); the next save starts "
+                               "a new one")
+        return proc
+
+
+def _alive(proc: Any) -> bool:
+    return proc is not None and proc._save_process.is_alive()
+
+
+def _stop(proc: Any, timeout_s: float = 5.0) -> None:
+    """Ask a checkpoint process to exit; terminate it if it does not within ``timeout_s``."""
+    if proc is None:
+        return
+    from torch.distributed.checkpoint._async_process_executor import _CheckpointSaveProcessControlOpts
+
+    p = proc._save_process
+    if p.is_alive():
+        try:
+            proc._send(_CheckpointSaveProcessControlOpts.TERMINATE)
+        except (OSError, ValueError):
+            pass
+        p.join(timeout_s)
+        if p.is_alive():
+            log.warning("ckpt_core: the checkpoint writer process did not exit; terminating it")
+            p.terminate()
+            p.join(timeout_s)
+    try:
+        proc._process_pipe.close()
+    except OSError:
+        pass
+
+
+PROCESS = SharedCheckpointProcess()
+"""The checkpoint process of this Python process (async_mode="process")."""
