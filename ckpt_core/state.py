@@ -118,7 +118,12 @@ class TrainState(Stateful):
     def _model_optim(self) -> dict[str, Any]:
         if self.model is None:
             return {}
+        # DCP initialises an optimizer that has not stepped yet (a step with zero gradients and lr 0) to know
+        # its state's shape; that state is saved, then taken off the live optimizer again, so a save before
+        # the first step does not change training (Adam would count one step more).
+        self._fresh_optimizers = [not opt.state for opt in self.optimizers]
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
+        _forget_initialised_state(self.optimizers, self._fresh_optimizers)
         out: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
             out["optim"] = optim_sd
@@ -141,6 +146,7 @@ class TrainState(Stateful):
             "data": self._data_state(),
             "rng": rng_mod.capture() if self.rng else None,
             "extra": {k: v.state_dict() for k, v in self.extra.items()},
+            "fresh_optimizers": list(getattr(self, "_fresh_optimizers", [])),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -218,6 +224,8 @@ class TrainState(Stateful):
                 optim_state_dict=loaded.get("optim", {}),
                 options=self.options,
             )
+            fresh = zero.get("fresh_optimizers") or []
+            _forget_initialised_state(self.optimizers, [bool(f) for f in fresh][: len(self.optimizers)])
         self.step = int(zero["progress"]["step"])
         self.epoch = int(zero["progress"]["epoch"])
         if weights_only:
@@ -286,6 +294,13 @@ class TrainState(Stateful):
 
 
 _SMALL_STATE_TYPES = {"progress": dict, "schedulers": list, "extra": dict}
+
+
+def _forget_initialised_state(optimizers: list, fresh: list) -> None:
+    """Empty the state of the optimizers that had none before DCP initialised it (``fresh``)."""
+    for opt, was_fresh in zip(optimizers, fresh):
+        if was_fresh:
+            opt.state.clear()
 
 
 def _check_small_state(blob: Any, rank: int) -> None:

@@ -176,3 +176,34 @@ def test_rng_remap_policy():
     assert rng.remap_rng_source(5, 2) == (1, 2)
     with pytest.raises(ValueError):
         rng.remap_rng_source(0, 0)
+
+
+@pytest.mark.parametrize("async_mode", ["off", "thread"])
+def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path, async_mode):
+    """DCP initialises an optimizer without state to save it; the live optimizer and one restored from that
+    checkpoint still have no state, so Adam's step count and the training that follows are the run's without
+    the save."""
+    from ckpt_core import CheckpointManager, TrainState
+    from helpers_ckpt import _train_step, assert_same_tree, tiny_model
+
+    def run(save: bool) -> tuple[dict, dict]:
+        model = tiny_model(3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if save:
+            with CheckpointManager(str(tmp_path / f"ck_{async_mode}"), async_mode=async_mode,
+                                   handle_preemption=False) as m:
+                m.save(0, TrainState(model=model, optimizers=opt))
+            assert opt.state_dict()["state"] == {}
+            fresh_model = tiny_model(99)
+            fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=1e-2)
+            with CheckpointManager(str(tmp_path / f"ck_{async_mode}"), async_mode="off",
+                                   handle_preemption=False) as m:
+                assert m.restore(TrainState(model=fresh_model, optimizers=fresh_opt)).step == 0
+            assert fresh_opt.state_dict()["state"] == {}
+            model, opt = fresh_model, fresh_opt
+        torch.manual_seed(5)
+        for _ in range(3):
+            _train_step(model, opt)
+        return model.state_dict(), opt.state_dict()
+
+    assert_same_tree(run(save=False), run(save=True))
