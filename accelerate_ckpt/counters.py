@@ -57,3 +57,10 @@ class AcceleratedResumableLoader(ResumableLoader):
         yield from super().__iter__()
         if self.sampler is not None and hasattr(self.loader, "iteration"):
             self.loader.iteration = self.sampler.epoch
+
+    @property
+    def remaining(self) -> int:
+        """Batches this process still yields in the current epoch; ``len()`` is the whole epoch's."""
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        left = getattr(batch_sampler, "remaining", None)
+        return int(left) if left is not None else len(self.loader)

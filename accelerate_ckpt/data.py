@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 
 from ckpt_core.data import LoaderSpec, NotRebuildable, ResumableDistributedSampler, find_resumable_sampler
+from ckpt_core.data.order import rank_share
 from ckpt_core.data.stock import random_sampler_types
 
 log = logging.getLogger("accelerate_ckpt")
@@ -48,6 +49,18 @@ class ShardedBatchSampler(BatchSampler):
         self.num_processes = sampler.num_replicas
         self.process_index = sampler.rank
         self.split_batches = False
+
+    def __len__(self) -> int:
+        """Batches of a whole epoch for this process (``len(dataloader)`` as stock means it), also mid-epoch."""
+        return self._batches(rank_share(len(self.sampler.dataset), 0, self.num_processes, self.sampler.drop_last))
+
+    @property
+    def remaining(self) -> int:
+        """Batches this process still yields in the current epoch (fewer than ``len`` after a mid-epoch resume)."""
+        return self._batches(len(self.sampler))
+
+    def _batches(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
 
 def _stateful_classes() -> tuple[type, ...]:
@@ -201,6 +214,26 @@ def rebuild(accelerator: Any, loader: Any, device_placement: Optional[bool] = No
     log.debug("accelerate_ckpt: rebuilt a data loader on ResumableDistributedSampler (%d replicas, seed %d)",
               accelerator.num_processes, seed)
     return prepared
+
+
+def follow_epochs(skipping: Any, original: Any) -> None:
+    """Make a full pass over ``skipping`` (``skip_first_batches`` of ``original``) end ``original``'s epoch too.
+
+    Both loaders share one sampler; stock Accelerate copies the epoch counter
+    (``iteration``) into the new loader and advances only that one, so the
+    next pass over ``original`` would replay the epoch just finished.
+    """
+    cls = type(skipping)
+
+    class _EpochFollowing(cls):  # type: ignore[misc, valid-type]
+        def __iter__(self):
+            yield from super().__iter__()
+            original.iteration = max(int(original.iteration), int(self.iteration))
+
+    _EpochFollowing.__name__ = _EpochFollowing.__qualname__ = cls.__name__
+    # DataLoaderAdapter answers ``__class__`` with its base loader's class (a read-only property): set the
+    # instance's type through object's own slot.
+    object.__dict__["__class__"].__set__(skipping, _EpochFollowing)
 
 
 def ensure_private_generator(loader: Any) -> None:

@@ -11,7 +11,9 @@ What the adapter itself adds is Accelerate-specific:
 * training data loaders are rebuilt on ``ResumableDistributedSampler`` when
   prepared (``accelerate_ckpt.data``), so the data position is global and
   survives a change of the process count;
-* ``accelerator.save_state()`` / ``load_state()`` are routed through the core;
+* ``accelerator.save_state()`` / ``load_state()`` keep stock Accelerate's meaning
+  (a checkpoint *at* the directory given, complete when ``save_state`` returns)
+  and go through the core (``accelerate_ckpt.state_calls``);
 * Accelerate's own counters (``accelerator.step``, every prepared loader's
   ``iteration`` i.e. its epoch, ``ProjectConfiguration.iteration``) and the
   objects given to ``register_for_checkpointing`` are part of the state;
@@ -20,26 +22,30 @@ What the adapter itself adds is Accelerate-specific:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
-from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, TrainState
+from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, SaveStats, TrainState
 from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 from ckpt_core.ddp_layout import fix_bucket_layout
-from ckpt_core.loop import LoopDriver, checkpoint_target, parent, same_root
-from ckpt_core.storage import get_fs, join, step_dirname
+from ckpt_core.loop import LoopDriver, parent, same_root
+from ckpt_core.storage import join, step_dirname
 
 from . import data as data_mod
+from . import state_calls
 from .counters import AcceleratedResumableLoader, AcceleratorCounters
+from .support import check_supported
 from .tracking import TrainLoaderTracker
 
 log = logging.getLogger("accelerate_ckpt")
 
-_ACCELERATE_FORMAT_FILES = ("model.safetensors", "pytorch_model.bin", "random_states_0.pkl", "optimizer.bin")
 
 
 class CheckpointPlugin:
@@ -57,6 +63,8 @@ class CheckpointPlugin:
         rebuild_dataloaders: rebuild shuffled map-style training loaders on
             ``ResumableDistributedSampler`` when they are prepared (default True).
         log_metrics: send the core's save metrics to ``accelerator.log`` when trackers are configured.
+        async_save_state: let ``accelerator.save_state()`` return once the state is staged, as
+            ``plugin.step()`` saves do, instead of once the checkpoint is committed on every rank.
         **kwargs: any ``CheckpointSettings`` field (``every_n_steps``, ``keep_last``, ...).
 
     Precedence: defaults < ``settings`` < keyword arguments < ``CKPT_*`` env < ``--ckpt.*`` flags.
@@ -71,6 +79,7 @@ class CheckpointPlugin:
         argv: Optional[Sequence[str]] = None,
         rebuild_dataloaders: bool = True,
         log_metrics: bool = True,
+        async_save_state: bool = False,
         **kwargs: Any,
     ) -> None:
         code = dict(kwargs)
@@ -79,6 +88,7 @@ class CheckpointPlugin:
         self.settings, self.sources = resolve_entry_point(code, settings, env=env, argv=argv)
         self.rebuild_dataloaders = rebuild_dataloaders
         self.log_metrics = log_metrics
+        self.async_save_state = async_save_state
         self.accelerator: Any = None
         self.global_step = 0
         self.resumed_from: Optional[int] = None
@@ -90,6 +100,7 @@ class CheckpointPlugin:
         self._step_calls = 0
         self._driver: Optional[LoopDriver] = None
         self._orig: dict[str, Any] = {}
+        self._writing: dict[str, tuple[int, str, Optional[str]]] = {}  # root key -> (step, path, what it replaces)
 
     # ---------------------------------------------------------------- attach
     def attach(self, accelerator: Any) -> "CheckpointPlugin":
@@ -99,16 +110,11 @@ class CheckpointPlugin:
         is rebuilt as it is prepared (a loader prepared earlier is rebuilt when
         it is given to ``plugin.dataloader()`` or found by ``resume()``).
         """
-        from accelerate.utils import DistributedType
-
         if self.accelerator is accelerator:
             return self
         if self.accelerator is not None:
             raise RuntimeError("this CheckpointPlugin is already attached to another Accelerator")
-        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-            raise NotImplementedError(
-                f"CheckpointPlugin does not support {accelerator.distributed_type}: its engines own their "
-                "checkpoint format; use accelerator.save_state()/load_state() without the plugin")
+        check_supported(accelerator)
         existing = getattr(accelerator, "checkpoint_plugin", None)
         if existing is not None and existing is not self:
             raise RuntimeError("this Accelerator already has another CheckpointPlugin attached")
@@ -116,15 +122,18 @@ class CheckpointPlugin:
         self._loaders = TrainLoaderTracker(accelerator, self.rebuild_dataloaders)
         accelerator.checkpoint_plugin = self
         self._adopt_project_configuration(accelerator.project_configuration)
-        for name in ("prepare_data_loader", "prepare_model", "save_state", "load_state", "end_training"):
+        for name in ("prepare_data_loader", "prepare_model", "save_state", "load_state", "end_training",
+                     "skip_first_batches"):
             self._orig[name] = getattr(accelerator, name)
         if self.rebuild_dataloaders:
             accelerator.prepare_data_loader = self._prepare_data_loader
         accelerator.prepare_model = self._prepare_model
         fix_bucket_layout(*accelerator._models)  # models prepared before attach(), if no step has run yet
-        accelerator.save_state = self._save_state
-        accelerator.load_state = self._load_state
+        accelerator.save_state = functools.partial(state_calls.save_state, self)
+        accelerator.load_state = functools.partial(state_calls.load_state, self)
         accelerator.end_training = self._end_training
+        accelerator.skip_first_batches = self._skip_first_batches
+        state_calls.register(self)
         if accelerator.is_main_process:
             log_effective_settings(self.settings, self.sources, logger=log)
         return self
@@ -156,7 +165,12 @@ class CheckpointPlugin:
         """The core manager for ``settings.dirpath`` (created at first use, on every rank together)."""
         self._check_attached()
         if self._manager is None:
-            self._manager = CheckpointManager(settings=self.settings, env={}, argv=[])
+            if not self.settings.dirpath:
+                raise ValueError("CheckpointPlugin has no dirpath: pass CheckpointPlugin(dirpath=...) (or set "
+                                 "CKPT_DIRPATH, or ProjectConfiguration(automatic_checkpoint_naming=True)) to "
+                                 "save with plugin.step()/save() or load the newest checkpoint")
+            self._manager = CheckpointManager(settings=self.settings, env={}, argv=[],
+                                              metrics_callbacks=[_on_commit(self, "")])
             self._driver = LoopDriver(self._manager, self._log_metrics)
         return self._manager
 
@@ -167,12 +181,16 @@ class CheckpointPlugin:
         return self._driver
 
     def _manager_for(self, root: Optional[str]) -> CheckpointManager:
-        if root is None or same_root(root, self.settings.dirpath):
+        """The manager of ``root``: the plugin's own, or one for a directory ``save_state``/``load_state`` named
+        (no retention there, no signal handlers: stock ``save_state(dir)`` deletes nothing)."""
+        if root is None or (self.settings.dirpath and same_root(root, self.settings.dirpath)):
             return self.manager
-        key = root.rstrip("/") or root
+        key = _root_key(root, self.settings.dirpath)
         if key not in self._extra_managers:
-            self._extra_managers[key] = CheckpointManager(
-                settings=self.settings.replace(dirpath=key), metrics_callbacks=[self.driver.relay], env={}, argv=[])
+            settings = self.settings.replace(dirpath=key, keep_last=None, keep_every_n_steps=None,
+                                             keep_every_seconds=None, keep_best=None, handle_preemption=False)
+            self._extra_managers[key] = CheckpointManager(settings=settings, env={}, argv=[],
+                                                          metrics_callbacks=[_on_commit(self, key)])
         return self._extra_managers[key]
 
     def _managers(self) -> list[CheckpointManager]:
@@ -255,14 +273,14 @@ class CheckpointPlugin:
         self.global_step += 1
         saved = self.driver.on_step(self.global_step, self.state(), loss=loss, metrics=metrics)
         if saved:
-            self._after_save(self.settings.dirpath, self.global_step)
+            self._started("", self.global_step, join(self.manager.root, step_dirname(self.global_step)), None)
         return saved
 
     def save(self, step: Optional[int] = None, *, dirpath: Optional[str] = None,
              metrics: Optional[Mapping[str, float]] = None) -> Optional[str]:
         """Save now (asynchronously), as checkpoint ``step`` (default: the current step). Collective.
 
-        Returns the checkpoint's directory, or None when the save was skipped.
+        Returns the checkpoint's directory (``<dirpath>/step_<N>``), or None when the save was skipped.
         When ``plugin.step()`` is not used (a script that only calls
         ``accelerator.save_state()``), checkpoints are numbered one after another.
         """
@@ -270,24 +288,62 @@ class CheckpointPlugin:
         root = self.settings.dirpath if dirpath is None else os.fspath(dirpath)
         mgr = self._manager_for(root)
         key = _root_key(root, self.settings.dirpath)
-        last = self._last_saved.get(key, -1)
-        if step is None:
-            step = self.global_step
-            if self._step_calls == 0 and step <= last:
-                step = last + 1  # no step counter in this script: number the saves
-        step = int(step)
+        step = self._step_for(key, step)
         path = join(mgr.root, step_dirname(step))
-        if step == last:
+        if step == self._last_saved.get(key, -1):
             return path  # this step is already saved (by the schedule or an earlier call)
         self._drain_metrics()
         if not mgr.save(step, self.state(step), metrics=dict(metrics) if metrics else None):
             return None
-        self._after_save(root, step)
+        self._started(key, step, path, None)
         return path
 
-    def _after_save(self, root: str, step: int) -> None:
-        self._last_saved[_root_key(root, self.settings.dirpath)] = step
+    def save_at(self, path: str, step: Optional[int] = None, *, automatic: bool = False,
+                metrics: Optional[Mapping[str, float]] = None) -> Optional[str]:
+        """Save checkpoint ``step`` exactly at the directory ``path``, whatever its name (collective).
+
+        What ``path`` held is moved aside and deleted once the new checkpoint is
+        committed; ``automatic`` (``checkpoint_<i>`` naming) refuses a committed
+        checkpoint there, as stock Accelerate does.
+        """
+        self._check_attached()
+        path = os.fspath(path).rstrip("/")
+        root, name = parent(path), path.rsplit("/", 1)[-1]
+        mgr = self._manager_for(root)
+        key = _root_key(root, self.settings.dirpath)
+        step = self._step_for(key, step)
+        self._drain_metrics()
+        aside = state_calls.make_room(self, path, automatic)
+        if not mgr.save(step, self.state(step), metrics=dict(metrics) if metrics else None, name=name):
+            state_calls.put_back(self, aside, path)
+            return None
+        self._started(key, step, path, aside)
+        return path
+
+    def _step_for(self, key: str, step: Optional[int]) -> int:
+        """``step``, or the current step; numbered after the last save when ``plugin.step()`` is not used."""
+        last = self._last_saved.get(key, -1)
+        if step is None:
+            step = self.global_step
+            if self._step_calls == 0 and step <= last:
+                step = last + 1
+        return int(step)
+
+    def _started(self, key: str, step: int, path: str, aside: Optional[str]) -> None:
+        self._last_saved[key] = step
+        self._writing[key] = (step, path, aside)
         self.accelerator.project_configuration.iteration += 1
+
+    def _committed(self, key: str, stats: SaveStats) -> None:
+        """A save of root ``key`` committed (rank 0: after retention): drop what it replaced."""
+        step, path, aside = self._writing.get(key, (None, None, None))
+        if step == stats.step:
+            self._writing.pop(key, None)
+            state_calls.drop_aside(self, aside)
+
+    def writing_paths(self) -> list[str]:
+        """Checkpoint directories this plugin's saves may still be writing."""
+        return [path for _, path, _ in list(self._writing.values())]
 
     def resume(self) -> Optional[CheckpointInfo]:
         """Restore the newest valid checkpoint (or ``resume_step``) into everything prepared; None when there is none.
@@ -301,14 +357,22 @@ class CheckpointPlugin:
         return self.restore(step=self.settings.resume_step, required=False)
 
     def restore(self, step: Optional[int] = None, *, dirpath: Optional[str] = None, path: Optional[str] = None,
-                required: bool = True) -> Optional[CheckpointInfo]:
+                required: bool = True, set_aside_newer: bool = True) -> Optional[CheckpointInfo]:
         """Restore checkpoint ``step`` (default: the newest valid) from ``dirpath`` (default: the plugin's root),
-        or exactly the checkpoint directory ``path``."""
+        or exactly the checkpoint directory ``path`` (under the plugin's root a rollback: newer checkpoints are
+        moved to ``rolled_back/`` unless ``set_aside_newer=False``)."""
         self._check_attached()
         self._loaders.find()
         state = self.state()
         root = None if dirpath is None else os.fspath(dirpath)
-        info = self.driver.restore(state, root=root, step=step, path=None if path is None else os.fspath(path))
+        if path is not None:
+            path = os.fspath(path).rstrip("/")
+            info = self._manager_for(parent(path)).restore(state, path=path, set_aside_newer=set_aside_newer)
+        elif root is not None and not (self.settings.dirpath and same_root(root, self.settings.dirpath)):
+            info = self.driver.restore(state, root=root, step=step) if self.settings.dirpath else \
+                self._manager_for(root).restore(state, step=step, set_aside_newer=False)
+        else:
+            info = self.driver.restore(state, step=step)
         if info is None:
             if required:
                 raise FileNotFoundError(f"no committed checkpoint under {root or self.manager.root}")
@@ -320,14 +384,24 @@ class CheckpointPlugin:
         if self._loaders.train_loader is None and self.accelerator._dataloaders and not self._loaders.warned_no_position:
             warnings.warn("accelerate_ckpt: no training data loader was found to restore the data position into; "
                           "call plugin.dataloader(train_dataloader) before plugin.resume()", stacklevel=3)
-        log.info("accelerate_ckpt: resumed from step %d (epoch %d) from %s", info.step, self.epoch, info.path)
+        self._notice(f"accelerate_ckpt: resumed from step {info.step} (epoch {self.epoch}) at {info.path}, saved "
+                     f"by {info.world_size} process(es), now {self.accelerator.num_processes}")
         return info
+
+    def _notice(self, message: str) -> None:
+        """One line on the main process, visible without any logging configuration (and in the log)."""
+        log.info(message)
+        if self.accelerator.is_main_process:
+            print(message, file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Block until every in-flight save is committed and retention has run."""
-        for mgr in self._managers():
-            mgr.wait()
-        self._drain_metrics()
+        try:
+            for mgr in self._managers():
+                mgr.wait()
+        finally:
+            self._writing.clear()  # committed (and what they replaced dropped), or failed: nothing writing
+            self._drain_metrics()
 
     def _drain_metrics(self) -> None:
         if self._driver is not None:
@@ -351,48 +425,32 @@ class CheckpointPlugin:
                 log.warning("accelerate_ckpt: could not log checkpoint metrics: %s", e)
 
     # ---------------------------------------------- accelerator method overrides
-    def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                    **save_model_func_kwargs: Any) -> Optional[str]:
-        """``accelerator.save_state`` through the core: async, committed last, retained.
-
-        ``output_dir`` is a checkpoint *root* (default: the plugin's ``dirpath``);
-        the checkpoint is ``<root>/step_<N>``. ``safe_serialization`` and engine
-        keyword arguments do not apply (DCP shards are written).
-        """
-        step = save_model_func_kwargs.pop("step", None)
-        if save_model_func_kwargs:
-            log.info("accelerate_ckpt: save_state arguments %s do not apply to DCP checkpoints; ignored",
-                     sorted(save_model_func_kwargs))
-        return self.save(step, dirpath=None if output_dir is None else os.fspath(output_dir))
-
-    def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
-                    **load_model_func_kwargs: Any) -> None:
-        """``accelerator.load_state`` through the core.
-
-        ``input_dir`` may be omitted (the newest valid checkpoint under the
-        plugin's ``dirpath``), a checkpoint root (its newest valid checkpoint),
-        or one ``step_<N>`` directory (exactly that checkpoint). A directory in
-        Accelerate's own format is loaded by Accelerate's own ``load_state``.
-        """
-        if input_dir is None:
-            self.restore(step=self.settings.resume_step)
-            return
-        path = os.fspath(input_dir).rstrip("/")
-        fs, local = get_fs(path, **self.settings.storage_options)
-        if not fs.exists(local):
-            raise ValueError(f"Tried to find {path} but folder does not exist")
-        if any(fs.exists(join(local, f)) for f in _ACCELERATE_FORMAT_FILES):
-            log.info("accelerate_ckpt: %s is in Accelerate's own format; loading it with Accelerate's load_state",
-                     path)
-            self._orig["load_state"](input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-            return
-        target = checkpoint_target(path, self.settings.storage_options)  # one checkpoint, or a root
-        self.restore(path=target.get("path"), dirpath=target.get("root"))
+    def _skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """``accelerator.skip_first_batches``; a pass over the result also ends the original loader's epoch."""
+        skipping = self._orig["skip_first_batches"](dataloader, num_batches=num_batches)
+        if hasattr(dataloader, "iteration") and hasattr(skipping, "iteration"):
+            data_mod.follow_epochs(skipping, dataloader)
+        return skipping
 
     def _end_training(self) -> None:
         self.close()
         self._orig["end_training"]()
 
 
-def _root_key(root: str, default: str) -> str:
-    return "" if same_root(root, default) else root.rstrip("/")
+def _root_key(root: str, default: Optional[str]) -> str:
+    return "" if default and same_root(root, default) else root.rstrip("/")
+
+
+def _on_commit(plugin: CheckpointPlugin, key: str) -> Callable[[SaveStats], None]:
+    """A manager's metrics callback that reaches ``plugin`` without keeping it alive (no reference cycle)."""
+    ref = weakref.ref(plugin)
+
+    def committed(stats: SaveStats) -> None:
+        owner = ref()
+        if owner is None:
+            return
+        owner._committed(key, stats)
+        if key and owner._driver is not None:
+            owner._driver.relay(stats)
+
+    return committed

@@ -299,8 +299,9 @@ def test_save_state_load_state_go_through_the_core_and_always_load_the_newest(tm
     acc.load_state()
     assert plugin.resumed_from == 2 and reg2.n == 6 and acc.save_iteration == 3
     assert all(torch.equal(v, newest[k]) for k, v in weights(model).items())
-    # load_state of one step directory loads exactly that checkpoint
-    acc.load_state(str(tmp_path / "p" / "checkpoints" / "step_000000001"))
+    assert sorted(os.listdir(tmp_path / "p" / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]  # stock's names
+    # load_state of one checkpoint directory loads exactly that checkpoint
+    acc.load_state(str(tmp_path / "p" / "checkpoints" / "checkpoint_1"))
     assert plugin.resumed_from == 1 and reg2.n == 4
     plugin.close()
 
