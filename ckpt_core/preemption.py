@@ -112,6 +112,10 @@ class _SignalHub(PreemptionWatcher):
             if sig in self._previous and self._registered[sig] == 0 and on_main:  # else passed on when it comes
                 self._restore(sig)
 
+    def holds(self, sig: int) -> bool:
+        """Whether the hub's handler is (still) the one meant for ``sig``: some watcher has not uninstalled."""
+        return sig in self._previous
+
     def _listeners(self, sig: int) -> list[PreemptionWatcher]:
         return [w for w in list(self._watchers.get(sig, ())) if w.installed]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,12 +26,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import background
 from .collectives import RankGroup, all_done
 from .config import CheckpointSettings
+from . import signing
 from .dcp_io import make_writer
 from .errors import SaveError, is_fatal
 from .state import TrainState
@@ -51,13 +54,22 @@ class SaveStats:
     interval_s: Optional[float] = None
     deleted: list = field(default_factory=list)
     first: bool = False
+    failed: bool = False  # this save failed (``on_save_error="warn"``): only the alert metrics are reported
+    age_s: Optional[float] = None  # seconds since the newest committed checkpoint, before this one committed
+    failed_saves: int = 0  # consecutive failed saves, this one included
+    fallbacks: int = 0  # checkpoints skipped at the last restore
 
     @property
     def throughput_bytes_per_s(self) -> Optional[float]:
         return self.bytes / self.write_s if self.write_s else None
 
     def as_metrics(self) -> dict[str, float]:
-        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes)}
+        alerts = {"ckpt/failed_saves": float(self.failed_saves), "ckpt/fallbacks": float(self.fallbacks),
+                  **({"ckpt/age_s": self.age_s} if self.age_s is not None else {})}
+        if self.failed:
+            return {"ckpt/step": float(self.step), **alerts}
+        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes),
+               **alerts}
         if self.write_s is not None:
             out["ckpt/write_s"] = self.write_s
         if self.throughput_bytes_per_s is not None:
@@ -85,7 +97,9 @@ class Saver:
 
     def __init__(self, settings: CheckpointSettings, process_group: Any, control: RankGroup) -> None:
         self.settings, self._pg, self._control = settings, process_group, control
+        self._signing_key = signing.settings_key(settings)
         self.inflight: Optional[InFlight] = None
+        self._plan_key = f"ckpt_core.Saver-{uuid.uuid4().hex}"
         self.stager: Optional[DefaultStager] = None
         if settings.async_mode != "off":
             self.stager = DefaultStager(StagingOptions(
@@ -105,9 +119,10 @@ class Saver:
         t0 = time.monotonic()
         try:
             writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
-                                 retries=s.write_retries, backoff_s=s.retry_backoff_s)
+                                 retries=s.write_retries, backoff_s=s.retry_backoff_s,
+                                 signing_key=self._signing_key)
             mode = self._mode_for(state)
-            fut = self._dispatch(mode, state, writer, DefaultSavePlanner(enable_plan_caching=True))
+            fut = self._dispatch(mode, state, writer, self._planner())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if is_fatal(e):
                 raise
@@ -155,9 +170,23 @@ class Saver:
                 raise
         return True
 
+    def _planner(self) -> DefaultSavePlanner:
+        """DCP's planner with plan caching under a key of this saver's own.
+
+        DCP caches plans in class attributes under the planner's class name: two
+        managers of one process saving different states would swap cached plans
+        ("Could not find FQN" in the middle of a write).
+        """
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_key
+        return planner
+
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+        for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                      "_cached_final_save_plan"):
+            getattr(SavePlanner, cache, {}).pop(self._plan_key, None)
 
     def _dispatch(self, mode: str, state: TrainState, writer: Any, planner: Any) -> Future:
         """Run the save synchronously (``off``), or stage it here and write it in the background; a future.

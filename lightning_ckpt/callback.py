@@ -492,7 +492,9 @@ def _forget_core_signal_handlers(trainer: "pl.Trainer") -> None:
 
     saved = getattr(trainer._signal_connector, "_original_handlers", {})
     for signum, handler in list(saved.items()):
-        if isinstance(getattr(handler, "__self__", None), PreemptionWatcher):
+        owner = getattr(handler, "__self__", None)
+        still_held = getattr(owner, "holds", lambda _sig: False)(signum)  # other managers of the process listen
+        if isinstance(owner, PreemptionWatcher) and not still_held:
             saved[signum] = signal.getsignal(signum)
 
 
