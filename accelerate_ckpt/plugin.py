@@ -337,7 +337,7 @@ class CheckpointPlugin:
     def _committed(self, key: str, stats: SaveStats) -> None:
         """A save of root ``key`` committed (rank 0: after retention): drop what it replaced."""
         step, path, aside = self._writing.get(key, (None, None, None))
-        if step == stats.step:
+        if stats.committed and step == stats.step:  # failed saves are reported too (ckpt/failed_saves)
             self._writing.pop(key, None)
             state_calls.drop_aside(self, aside)
 

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from . import __version__
+from . import __version__, signing
 from .discovery import choose_for_restore, list_records, read_manifest, validate
 from .errors import describe, is_fatal, one_line
 from .integrity import IntegrityError
@@ -137,6 +137,16 @@ def _kind_quiet(path: str) -> Optional[str]:
         return None
 
 
+def _signing_key(args: argparse.Namespace) -> Optional[bytes]:
+    """The signing key of ``verify``/``export``/``inspect``: --signing-key-file, CKPT_SIGNING_KEY(_FILE), or None."""
+    from .config import SettingError
+
+    try:
+        return signing.env_key(getattr(args, "signing_key_file", None))
+    except SettingError as e:
+        raise CliError(str(e)) from None
+
+
 def _manifest_of(path: str) -> tuple[Optional[Manifest], Optional[str]]:
     """The manifest of checkpoint ``path``, or why there is none."""
     fs, p = _fs(path)
@@ -208,12 +218,46 @@ def _newest_valid(records: list[CheckpointRecord]) -> tuple[Optional[int], dict[
     return None, problems
 
 
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_age(text: str) -> float:
+    """``--max-age``: seconds, or a number with a suffix s, m, h or d (``90``, ``30m``, ``1.5h``, ``2d``)."""
+    t = text.strip().lower()
+    unit = _AGE_UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if unit is not None else t) * (unit or 1)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: seconds, or a number with s, m, h or d "
+                                         "(e.g. 90, 30m, 6h, 2d)")
+    return value
+
+
+def _stale(root: str, age: Optional[float], newest_valid: Optional[int], max_age: Optional[float]) -> bool:
+    """``--max-age``: whether the newest valid checkpoint is missing or too old (said on stderr)."""
+    if max_age is None:
+        return False
+    if newest_valid is None:
+        print(f"ckpt: no valid checkpoint under {root} (--max-age {human_age(max_age)})", file=sys.stderr)
+        return True
+    if age is None or age > max_age:
+        print(f"ckpt: the newest valid checkpoint under {root} (step {newest_valid}) is {human_age(age)} old, more "
+              f"than --max-age {human_age(max_age)}", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     root = args.root
     _require_root(root)
     records = list_records(root)
     now = time.time()
     newest_valid, problems = _newest_valid(records)
+    newest = next((r for r in records if r.step == newest_valid), None)
+    age = now - newest.wall_time if newest is not None and newest.wall_time else None
+    code = EXIT_INVALID if _stale(root, age, newest_valid, args.max_age) else EXIT_OK
     if args.json:
         body = []
         for r in records:
@@ -222,11 +266,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if r.step in problems:
                 d["problem"] = problems[r.step]
             body.append(d)
-        _out(json.dumps({"root": root, "newest_valid": newest_valid, "checkpoints": body}, indent=1))
-        return EXIT_OK
+        _out(json.dumps({"root": root, "newest_valid": newest_valid, "newest_valid_age_s": age,
+                         "stale": code != EXIT_OK, "checkpoints": body}, indent=1))
+        return code
     if not records:
         _out(f"no checkpoints under {root}")
-        return EXIT_OK
+        return code
     rows = [["", "STEP", "STATE", "PERMANENT", "HEALTHY", "SIZE", "FILES", "WORLD", "AGE", "NOTE"]]
     for r in records:
         if r.committed:
@@ -246,8 +291,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if newest_valid is None:
         _out(f"no valid checkpoint under {root}: a run resuming here starts from scratch")
     else:
-        _out(f"* newest valid checkpoint (what a run resumes from): step {newest_valid}")
-    return EXIT_OK
+        _out(f"* newest valid checkpoint (what a run resumes from): step {newest_valid}, {human_age(age)} old")
+    return code
 
 
 # ---------------------------------------------------------------- inspect
@@ -401,13 +446,16 @@ def _print_non_tensors(others: list[str]) -> None:
 
 
 def _print_inspect(path: str, manifest: Optional[Manifest], why: Optional[str], md_problem: Optional[str],
-                   metadata: Any, tensors: list[dict[str, Any]], others: list[str], show_all: bool) -> None:
+                   metadata: Any, tensors: list[dict[str, Any]], others: list[str], show_all: bool,
+                   signed: Optional[str] = None) -> None:
     """Print ``inspect``'s human-readable report: manifest, carried state, then tensors."""
     _out(f"checkpoint {path}")
     if manifest is None:
         _out(f"  committed:   NO: {why}; it is never loaded")
     else:
         _print_manifest(manifest)
+        if signed is not None:
+            _out(f"  signed:      {signed}")
         _print_contents(manifest.contents)
     if md_problem:
         _out(f"  DCP metadata:  {md_problem}")
@@ -424,19 +472,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CliError(f"{path} is a checkpoint root, not a checkpoint; pick one of its step directories "
                        f"(`ckpt ls {path}`)")
     fs, p = _fs(path)
+    key = _signing_key(args)
     manifest, why = _manifest_of(path)
     unusable = manifest is None and why is not None and why.startswith("unusable")
     metadata, md_problem, md_invalid = _read_dcp_metadata(path, fs, p, manifest)
-    invalid = unusable or md_invalid
+    signed = signing.status(manifest, key) if manifest is not None else None
+    invalid = unusable or md_invalid or (signed is not None and "REFUSED" in signed)
     if manifest is None and metadata is None:
         raise CliError(f"{path} is not a checkpoint: {why}; {md_problem}")
     tensors, others = _tensor_rows(metadata) if metadata is not None else ([], [])
     step = manifest.step if manifest is not None else parse_step_dirname(path)
     if args.json:
         body = _inspect_json(path, step, manifest, why, md_problem, tensors, others)
+        body["signed"] = signed
         _out(json.dumps(body, indent=1, allow_nan=True))
         return EXIT_INVALID if invalid else EXIT_OK
-    _print_inspect(path, manifest, why, md_problem, metadata, tensors, others, args.all)
+    _print_inspect(path, manifest, why, md_problem, metadata, tensors, others, args.all, signed)
     return EXIT_INVALID if invalid else EXIT_OK
 
 
@@ -444,6 +495,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     target = args.path.rstrip("/") or args.path
     level = "checksum" if args.checksum else "size"
+    key = _signing_key(args)
     if _kind(target) == "root":
         records = list_records(target)
     else:
@@ -459,6 +511,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problem = r.problem
             if r.committed:
                 manifest, why = _manifest_of(r.path)
+                if manifest is not None and key is not None:
+                    try:
+                        manifest = signing.authenticate(manifest, key, MANIFEST_NAME)
+                    except signing.SignatureError as e:
+                        manifest, why = None, str(e)
                 problem = why if manifest is None else validate(
                     r.path, manifest, level, progress=bar.update if level == "checksum" else None)
             results.append({"step": r.step, "path": r.path, "valid": problem is None, "problem": problem})
@@ -552,7 +609,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         result = export_model(path, args.out, format=fmt, dtype=args.dtype,
                               verify="checksum" if args.checksum else "size",
-                              allow_uncommitted=args.force)
+                              allow_uncommitted=args.force, signing_key=_signing_key(args))
     except InvalidCheckpointError as e:
         raise CliError(str(e), EXIT_INVALID) from None
     except ExportError as e:
@@ -596,9 +653,13 @@ def cmd_settings(args: argparse.Namespace, flags: list[str]) -> int:
 def _add_ls(sub: Any) -> None:
     """The ``ls`` subcommand: list the checkpoints under a root."""
     p = sub.add_parser("ls", help="list the checkpoints under a root", description="List the checkpoints under ROOT, "
-                       "oldest first; * marks the newest valid one (what a resuming run loads).")
+                       "oldest first; * marks the newest valid one (what a resuming run loads). With --max-age, "
+                       "exit 1 when there is none or it is older (cron-style monitoring).")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--max-age", type=parse_age, default=None, metavar="AGE",
+                   help="exit 1 when the newest valid checkpoint is older than AGE: seconds, or with a suffix "
+                        "s, m, h or d (e.g. 6h)")
     p.set_defaults(func=cmd_ls, paths=lambda a: [a.root])
 
 
@@ -610,6 +671,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="also list the per-rank state blobs")
+    _add_signing_key_file(p)
     p.set_defaults(func=cmd_inspect, paths=lambda a: [a.path])
 
 
@@ -622,7 +684,14 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("path", metavar="PATH|ROOT")
     p.add_argument("--checksum", action="store_true", help="read every file and compare CRC32C checksums")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_signing_key_file(p)
     p.set_defaults(func=cmd_verify, paths=lambda a: [a.path])
+
+
+def _add_signing_key_file(p: Any) -> None:
+    p.add_argument("--signing-key-file", metavar="FILE", default=None,
+                   help="refuse checkpoints not signed with the key in FILE (or set CKPT_SIGNING_KEY; "
+                        "CKPT_SIGNING_KEY_FILE)")
 
 
 def _add_prune(sub: Any) -> None:
@@ -656,6 +725,7 @@ def _add_export(sub: Any) -> None:
                    help="cast floating-point weights (default: keep the saved dtypes)")
     p.add_argument("--checksum", action="store_true", help="verify CRC32C checksums before exporting")
     p.add_argument("--force", action="store_true", help="export even an uncommitted (torn) checkpoint")
+    _add_signing_key_file(p)
     p.set_defaults(func=cmd_export, paths=lambda a: [a.path, a.out])
 
 

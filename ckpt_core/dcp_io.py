@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import logging
 import os
@@ -47,6 +48,7 @@ from .inplace_read import read_in_place
 from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
 from .safe_pickle import load_dcp_metadata
+from .signing import sha256_hex
 from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_name
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, read_many, write_bytes_durable
 
@@ -87,14 +89,19 @@ class _HashingStream(io.RawIOBase):
     exactly DCP's items.
     """
 
-    def __init__(self, raw: Any, owner: "_HashingFileSystem") -> None:
+    def __init__(self, raw: Any, owner: "_HashingFileSystem", sha256: bool = False) -> None:
         self._raw = raw
         self._owner = owner
+        self.sha256 = hashlib.sha256() if sha256 else None
+        """SHA-256 of the whole file (small files: ``.metadata``), for the digests of a signed manifest."""
         self.size = 0
         self._seg_start = 0
         self._seg_crc = 0
         self.segments: list[tuple[int, int, int]] = []
         """(offset, length, crc32c) of each segment, in file order."""
+        self._seg_sha = hashlib.sha256() if owner.item_sha256 else None
+        self.segment_sha256: dict[int, str] = {}
+        """SHA-256 (hex) of each segment by offset, when the owner records them (signed saves)."""
 
     def writable(self) -> bool:
         return True
@@ -102,7 +109,11 @@ class _HashingStream(io.RawIOBase):
     def _cut(self) -> None:
         if self.size > self._seg_start:
             self.segments.append((self._seg_start, self.size - self._seg_start, self._seg_crc))
+            if self._seg_sha is not None:
+                self.segment_sha256[self._seg_start] = self._seg_sha.hexdigest()
         self._seg_start, self._seg_crc = self.size, 0
+        if self._seg_sha is not None:
+            self._seg_sha = hashlib.sha256()
 
     @property
     def crc(self) -> int:
@@ -116,6 +127,10 @@ class _HashingStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self._seg_crc = crc32c.crc32c(mv, self._seg_crc)
+        if self.sha256 is not None:
+            self.sha256.update(mv)
+        if self._seg_sha is not None:
+            self._seg_sha.update(mv)
         try:
             n = self._raw.write(mv)
         except Exception as e:
@@ -183,6 +198,10 @@ class _HashingFileSystem:
         self.inner = inner
         self.records: dict[str, tuple[int, int]] = {}
         self.segments: dict[str, list[tuple[int, int, int]]] = {}
+        self.digests: dict[str, str] = {}
+        self.item_sha256 = False
+        """Whether streams also keep a SHA-256 per segment (a signed save: DCP items get one each)."""
+        self.segment_sha256: dict[str, dict[int, str]] = {}
         self.last_error: Optional[BaseException] = None
 
     def __getattr__(self, name: str) -> Any:
@@ -196,12 +215,15 @@ class _HashingFileSystem:
             if "w" not in mode:
                 yield stream
                 return
-            hashing = _HashingStream(stream, self)
+            name = os.path.basename(os.fspath(path))
+            hashing = _HashingStream(stream, self, sha256=name.startswith(DCP_METADATA_NAME))
             with _without_zip_crc32():
                 yield hashing
-        name = os.path.basename(os.fspath(path))
         self.records[name] = (hashing.size, hashing.crc)
         self.segments[name] = hashing.segments
+        self.segment_sha256[name] = hashing.segment_sha256
+        if hashing.sha256 is not None:
+            self.digests[name] = hashing.sha256.hexdigest()
 
 
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT}
@@ -243,6 +265,7 @@ class _CommitMixin:
         self._storage_options = dict(storage_options or {})
         self._retries = retries
         self._backoff_s = backoff_s
+        self._signing_key: Optional[bytes] = None
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         prefix = plan.storage_data.prefix
@@ -291,6 +314,7 @@ class _CommitMixin:
             files={name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)},
             fingerprint=sums,
             items=self._item_checksums(fut.value()),
+            item_sha256=self._item_sha256(fut.value()) if self.fs.item_sha256 else {},
             checkpoint_id=self._manifest_fields["checkpoint_id"],
             step=self._manifest_fields["step"],
         ).to_json()
@@ -320,9 +344,19 @@ class _CommitMixin:
             out[(name, info.offset, info.length)] = seg[1]
         return out
 
+    def _item_sha256(self, results: list) -> dict[ItemKey, str]:
+        """The SHA-256 of every item this rank wrote (signed saves), from the segments its streams recorded."""
+        out: dict[ItemKey, str] = {}
+        for result in results:
+            info = result.storage_data
+            name = os.path.basename(str(info.relative_path))
+            out[(name, info.offset, info.length)] = self.fs.segment_sha256[name][info.offset]
+        return out
+
     def finish(self, metadata: Metadata, results: list) -> None:
         fs, root = get_fs(self._storage_url, **self._storage_options)
         files: dict[str, FileEntry] = {}
+        digests: dict[str, str] = {}
         parts = []
         names = [sidecar_name(f"__{i}_") for i in range(len(results))]
         for name, raw in zip(names, read_many(fs, [join(root, n) for n in names])):
@@ -337,19 +371,23 @@ class _CommitMixin:
                 raise OSError(errno.EIO, f"{name} belongs to another save ({side.checkpoint_id}); two jobs may be "
                                          f"writing step {self._manifest_fields['step']} under one root")
             files[name] = FileEntry(len(raw), crc32c.crc32c(raw))
+            digests[name] = sha256_hex(raw)
             files.update({f: FileEntry(size, crc) for f, (size, crc) in side.files.items()})
             parts.append(side.fingerprint)
         with_retries(lambda: super(_CommitMixin, self).finish(metadata, results),  # type: ignore[misc]
                      "writing .metadata", self._retries, self._backoff_s)
         size, crc = self.fs.records[f"{DCP_METADATA_NAME}.tmp"]
         files[DCP_METADATA_NAME] = FileEntry(size, crc)
+        digests[DCP_METADATA_NAME] = self.fs.digests[f"{DCP_METADATA_NAME}.tmp"]
+        key = self._signing_key
         manifest = build_manifest(
             files=files,
             fingerprint=fp.combine(parts),
             world_size=len(results),
+            digests=digests if key is not None else None,
             **self._manifest_fields,
         )
-        body = manifest.to_json().encode()
+        body = manifest.to_json(signing_key=key).encode()
         with_retries(lambda: write_bytes_durable(fs, join(root, MANIFEST_NAME), body),
                      "writing manifest.json", self._retries, self._backoff_s)
 
@@ -373,13 +411,17 @@ class FsspecCommitWriter(_CommitMixin, FsspecWriter):
 
 
 def make_writer(path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,
-                **kwargs: Any) -> Any:
-    """The right commit writer for ``path``: plain files locally, fsspec otherwise."""
+                signing_key: Optional[bytes] = None, **kwargs: Any) -> Any:
+    """The right commit writer for ``path``: plain files locally, fsspec otherwise; with ``signing_key``, signing."""
     fs, _ = get_fs(path, **dict(storage_options or {}))
     if is_local(fs):
-        return LocalCommitWriter(_local_path(path), manifest_fields, **kwargs)
-    kwargs.setdefault("sync_files", False)
-    return FsspecCommitWriter(path, manifest_fields, storage_options, **kwargs)
+        writer = LocalCommitWriter(_local_path(path), manifest_fields, **kwargs)
+    else:
+        kwargs.setdefault("sync_files", False)
+        writer = FsspecCommitWriter(path, manifest_fields, storage_options, **kwargs)
+    writer._signing_key = signing_key
+    writer.fs.item_sha256 = signing_key is not None
+    return writer
 
 
 def _local_path(path: str) -> str:

@@ -50,3 +50,30 @@ def skip_reason(ctx: SaveContext) -> Optional[str]:
     if ctx.committed:
         return f"step {ctx.step} is already committed"
     return None
+
+
+def checkpoint_too_old(age_steps: int, age_s: float, max_age_steps: Optional[int],
+                       max_age_s: Optional[float]) -> Optional[str]:
+    """Why the newest committed checkpoint is too old (a limit is passed), or None.
+
+    ``age_steps``/``age_s``: steps and seconds since the newest committed
+    checkpoint (or since the run started, when it has none); a limit of None
+    is off. Strictly older than the limit: a checkpoint exactly at the limit is fine.
+    """
+    if max_age_steps is not None and age_steps > max_age_steps:
+        return f"{age_steps} steps old, more than max_checkpoint_age_steps={max_age_steps}"
+    if max_age_s is not None and age_s > max_age_s:
+        return f"{age_s:.0f}s old, more than max_checkpoint_age_s={max_age_s:g}"
+    return None
+
+
+def on_stale(too_old: Optional[str], failed_saves: int, on_save_error: str, on_stale_checkpoint: str) -> Optional[str]:
+    """What a save attempt does about the age of the newest checkpoint: ``"raise"``, ``"warn"`` or None.
+
+    Only a run whose last save failed while failures only warn (``on_save_error="warn"``)
+    is at stake: with ``"raise"`` the failure itself stopped it, and a run whose saves
+    commit is protected.
+    """
+    if too_old is None or failed_saves <= 0 or on_save_error != "warn":
+        return None
+    return on_stale_checkpoint

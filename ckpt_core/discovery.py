@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pickle import UnpicklingError
 from typing import Callable, Optional, Sequence
@@ -138,9 +139,12 @@ def _check_every_byte(fs, dir_path: str, verifier: CheckpointVerifier,
             for offset, length in ranges:
                 if offset != end:
                     raise IntegrityError(f"{name} bytes {end}..{offset} belong to no item its writer recorded")
-                part = crc_of_range(f, offset, length, progress)
+                sha = hashlib.sha256() if manifest.authenticated and name in items else None
+                part = crc_of_range(f, offset, length, progress, sha=sha)
                 if name in items and part != verifier.expected_item_crc(name, offset, length):
                     raise IntegrityError(f"{name} bytes {offset}..{offset + length} fail their checksum")
+                if sha is not None:
+                    verifier.check_item_sha256(name, offset, length, sha.hexdigest())
                 crc, end = crc32c_combine(crc, part, length), offset + length
         if end != entry.size:
             raise IntegrityError(f"{name} bytes {end}..{entry.size} belong to no item its writer recorded")

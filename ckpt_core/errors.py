@@ -40,3 +40,21 @@ class SaveError(RuntimeError):
 
 class RestoreError(RuntimeError):
     """No checkpoint could be restored, or the restored state does not match what was saved."""
+
+
+class StaleCheckpointError(SaveError):
+    """Saves keep failing and the newest committed checkpoint is older than ``max_checkpoint_age_*``.
+
+    Raised instead of another warning with ``on_save_error="warn"`` (``on_stale_checkpoint="raise"``),
+    so that a run never goes on unprotected without anyone noticing.
+    """
+
+    def __init__(self, step: int, reason: str, last_committed: "int | None", cause: BaseException) -> None:
+        since = f"the last committed checkpoint is step {last_committed}" if last_committed is not None else \
+            "no checkpoint was committed since the run started"
+        RuntimeError.__init__(
+            self, f"checkpoint saves keep failing (now at step {step}: {describe(cause)}) and the newest committed "
+            f"checkpoint is {reason}; {since}. Fix the storage, or raise the limit (max_checkpoint_age_steps / "
+            f"max_checkpoint_age_s), or set on_stale_checkpoint='warn' to go on unprotected")
+        self.step, self.reason, self.last_committed = step, reason, last_committed
+        self.__cause__ = cause

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from . import signing
 from .dcp_io import SafeLoadPlanner, make_reader, read_metadata
 from .discovery import read_manifest, validate
 from .errors import describe, is_fatal
@@ -117,8 +118,8 @@ def _batches(tensors: dict[str, TensorStorageMetadata], budget: int) -> list[lis
 
 
 def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool,
-                      storage_options: dict) -> Optional[Manifest]:
-    """The manifest of checkpoint ``path`` after checking it is one (and valid at ``verify``)."""
+                      storage_options: dict, signing_key: Optional[bytes] = None) -> Optional[Manifest]:
+    """The manifest of checkpoint ``path`` after checking it is one (signed with ``signing_key``, valid at ``verify``)."""
     fs, dir_path = get_fs(path, **storage_options)
     if not fs.exists(join(dir_path, DCP_METADATA_NAME)):
         what = "a checkpoint directory" if fs.isdir(dir_path) else "an existing directory"
@@ -130,11 +131,18 @@ def _check_checkpoint(path: str, verify: str, allow_uncommitted: bool,
         if not allow_uncommitted:
             raise ExportError(f"{path} is not committed: no {MANIFEST_NAME} (an interrupted or in-progress save); "
                               "its shards may be incomplete") from None
+        if signing_key is not None:
+            raise InvalidCheckpointError(f"{path} is not committed, so unsigned, and a signing key is set") from None
         return None
     except ManifestError as e:
-        if not allow_uncommitted:
+        if not allow_uncommitted or signing_key is not None:
             raise InvalidCheckpointError(f"{path} has an unusable {MANIFEST_NAME}: {e}") from None
         return None
+    if signing_key is not None:
+        try:
+            manifest = signing.authenticate(manifest, signing_key, f"{path}/{MANIFEST_NAME}")
+        except signing.SignatureError as e:
+            raise InvalidCheckpointError(str(e)) from None
     problem = validate(path, manifest, verify, storage_options)
     if problem is not None:
         raise InvalidCheckpointError(f"{path} failed verification ({verify}): {problem}")
@@ -232,6 +240,7 @@ def export_model(
     progress: Optional[bool] = None,
     on_progress: Optional[Callable[[int], None]] = None,
     storage_options: Optional[dict] = None,
+    signing_key: Optional[str | bytes] = None,
 ) -> ExportResult:
     """Write the model weights of checkpoint ``path`` (keys under ``model.``, prefix stripped) to ``out``.
 
@@ -252,13 +261,15 @@ def export_model(
         on_progress: called with the bytes loaded after each batch.
         storage_options: fsspec options for ``path`` (e.g. an S3 endpoint); also used for
             ``out`` when it is on the same kind of storage.
+        signing_key: refuse a checkpoint that is not signed with this key (see ``ckpt_core.signing``).
 
     Raises:
         ExportError: ``path`` is not a (valid) checkpoint, holds no model weights, or an option is bad.
     """
     target = _check_options(format, dtype)
     opts = dict(storage_options or {})
-    manifest = _check_checkpoint(path, verify, allow_uncommitted, opts)
+    key = signing.load_key(signing_key, None)
+    manifest = _check_checkpoint(path, verify, allow_uncommitted, opts, key)
     step = None if manifest is None else manifest.step
     checked = manifest if verify != "none" else None
     tensors, skipped = _model_metadata(path, opts, checked)

@@ -10,11 +10,17 @@ that reads one of its small files. It checks:
 * each DCP item (file, offset, length) that a load reads against the CRC32C
   its writer computed while writing it: exactly the bytes that are applied,
   after any resharding. Manifests of version 1 have no per-item checksums; for
-  them every file a load touches is checked whole, once.
+  them every file a load touches is checked whole, once;
+* for a manifest whose signature was checked (``signing.authenticate``), each
+  small file also against its SHA-256 in the signed manifest, so the item
+  checksums in the sidecars are covered by the signature, and each DCP item
+  also against the SHA-256 its (signed) writer recorded: a CRC32C is linear,
+  so a forger can keep it while changing the bytes; a SHA-256 cannot be kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any, Callable, Optional
 
@@ -30,8 +36,12 @@ class IntegrityError(ValueError):
     """Bytes read from a checkpoint differ from what its writer recorded (corruption, tampering, a mixed-up copy)."""
 
 
-def crc_of_range(f: Any, offset: int, length: int, progress: Optional[Callable[[int], None]] = None) -> int:
-    """CRC32C of ``length`` bytes of file object ``f`` from ``offset`` (chunked: no copy of the range)."""
+def crc_of_range(f: Any, offset: int, length: int, progress: Optional[Callable[[int], None]] = None,
+                 sha: Any = None) -> int:
+    """CRC32C of ``length`` bytes of file object ``f`` from ``offset`` (chunked: no copy of the range).
+
+    ``sha``: a ``hashlib`` object that is also fed the range.
+    """
     f.seek(offset)
     crc, left = 0, length
     while left > 0:
@@ -39,6 +49,8 @@ def crc_of_range(f: Any, offset: int, length: int, progress: Optional[Callable[[
         if not chunk:
             raise IntegrityError(f"the file ends {left} bytes before the end of the range {offset}+{length}")
         crc = crc32c.crc32c(chunk, crc)
+        if sha is not None:
+            sha.update(chunk)
         left -= len(chunk)
         if progress is not None:
             progress(len(chunk))
@@ -72,7 +84,20 @@ class CheckpointVerifier:
         if entry.crc32c is not None and crc32c.crc32c(data) != entry.crc32c:
             raise IntegrityError(f"{self.where}/{name} fails its checksum (CRC32C {crc32c.crc32c(data):#010x}, "
                                  f"the manifest says {entry.crc32c:#010x})")
+        if self.manifest.authenticated:
+            self._check_digest(name, data)
         return data
+
+    def _check_digest(self, name: str, data: bytes) -> None:
+        from .signing import same_digest, sha256_hex
+
+        expected = self.manifest.digests.get(name)
+        if expected is None:
+            raise IntegrityError(f"{self.where}/{name} has no SHA-256 in the signed manifest, so the signature "
+                                 "does not cover it")
+        if not same_digest(sha256_hex(data), expected):
+            raise IntegrityError(f"{self.where}/{name} does not match its SHA-256 in the signed manifest "
+                                 "(changed after signing)")
 
     def sidecar(self, name: str) -> Sidecar:
         """Sidecar ``name``, checked against the manifest and parsed; cached."""
@@ -116,10 +141,13 @@ class CheckpointVerifier:
             self._verify_whole(f, name)
             return
         expected = self.expected_item_crc(name, offset, length)
-        actual = crc_of_range(f, offset, length)
+        sha = hashlib.sha256() if self.manifest.authenticated else None
+        actual = crc_of_range(f, offset, length, sha=sha)
         if actual != expected:
             raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} fail their checksum "
                                  f"(CRC32C {actual:#010x}, written as {expected:#010x})")
+        if sha is not None:
+            self.check_item_sha256(name, offset, length, sha.hexdigest())
 
     def verify_bytes(self, name: str, offset: int, length: int, data: bytes) -> None:
         """Check the bytes of one DCP item already read into memory."""
@@ -129,6 +157,21 @@ class CheckpointVerifier:
             got = f"CRC32C {actual:#010x}" if actual is not None else f"{len(data)} bytes"
             raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} fail their checksum "
                                  f"({got}, written as {expected:#010x})")
+        if self.manifest.authenticated:
+            self.check_item_sha256(name, offset, length, hashlib.sha256(data).hexdigest())
+
+    def check_item_sha256(self, name: str, offset: int, length: int, actual: str) -> None:
+        """For an authenticated manifest: the SHA-256 of one item against the one its signed writer recorded."""
+        from .signing import same_digest
+
+        side_name = sidecar_for(name) or ""
+        expected = self.sidecar(side_name).item_sha256.get((name, offset, length))
+        if expected is None:
+            raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} have no SHA-256 in "
+                                 f"{side_name}, so the signature does not cover them")
+        if not same_digest(actual, expected):
+            raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} do not match their SHA-256 "
+                                 "in the signed checkpoint (changed after signing)")
 
     def expected_item_crc(self, name: str, offset: int, length: int) -> int:
         side_name = sidecar_for(name)

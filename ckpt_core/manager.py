@@ -27,11 +27,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from . import background
-from .collectives import RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group, rank0_decides
+from .collectives import (RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group,
+                          first_problem, rank0_decides)
 from .config import CheckpointSettings, resolve_entry_point
-from .decisions import GO, SKIP, SaveContext, skip_reason, wanted, while_in_flight
+from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
-from .errors import RestoreError, SaveError
+from .errors import RestoreError, SaveError, StaleCheckpointError
 from .manifest import ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
 from .records import CheckpointInfo
@@ -122,6 +123,12 @@ class CheckpointManager:
         self._committed: set[int] = set()
         self._inflight_dirname = ""  # the directory of the save in flight (one at a time)
         self._last_save_time = time.monotonic()
+        # the age of the newest committed checkpoint (or of the run, before the first): ``checkpoint_age_s``
+        self._last_commit_time = self._last_save_time
+        self._last_commit_step: Optional[int] = None
+        self._first_step: Optional[int] = None  # the first step the loop asked about (when nothing is committed)
+        self._failed_saves = 0  # consecutive
+        self._last_error: Optional[SaveError] = None
         self._n_saves = 0
         self._closed = False
         self.resumed_from: Optional[int] = None
@@ -178,9 +185,19 @@ class CheckpointManager:
 
     def _save(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]],
               name: Optional[str] = None) -> bool:
-        """Decide (``decisions``) and start the save of ``ctx.step``; collective when the save is wanted."""
+        """Decide (``decisions``) and start the save of ``ctx.step``, then judge the checkpoint's age; collective
+        when the save is wanted."""
+        if self._first_step is None:
+            self._first_step = ctx.step
         if not wanted(ctx):
             return False
+        saved = self._decide_and_start(ctx, state, metrics, name)
+        if not ctx.preempted:
+            self._check_age(ctx.step)
+        return saved
+
+    def _decide_and_start(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]],
+                          name: Optional[str]) -> bool:
         step = state.step = ctx.step
         # Every rank takes part in the agreement, also a rank whose own previous save already finished:
         # a rank-local "in flight?" test in front of it would leave the other ranks in a lone collective.
@@ -241,8 +258,10 @@ class CheckpointManager:
             if failure is not None:
                 self._save_failed(failure)
                 return
+            self._commit_recorded(stats)
             self._retain_in_background(stats)
         else:
+            self._commit_recorded(stats)
             self._report(stats)
         log.info("ckpt_core: committed step %d (stall %.3fs, write %.3fs, %d bytes)",
                  stats.step, stats.blocking_s, stats.write_s, stats.bytes)
@@ -254,10 +273,55 @@ class CheckpointManager:
         except RuntimeError:  # "cannot schedule new futures after [interpreter] shutdown"
             self._retain(stats)
 
+    def _commit_recorded(self, stats: SaveStats) -> None:
+        """The alert metrics of a committed save; the run is protected again from here."""
+        stats.age_s, stats.fallbacks = self.checkpoint_age_s, self._restorer.fallbacks
+        self._failed_saves = 0
+        self._last_commit_step = max(stats.step, self._last_commit_step or stats.step)
+        self._last_commit_time = time.monotonic()
+
     def _save_failed(self, err: SaveError) -> None:
+        self._failed_saves += 1
+        self._last_error = err
+        self._report(SaveStats(step=err.step, blocking_s=0.0, failed=True, age_s=self.checkpoint_age_s,
+                               failed_saves=self._failed_saves, fallbacks=self._restorer.fallbacks))
         if self.settings.on_save_error == "raise":
             raise err
-        log.warning("ckpt_core: %s; training continues (on_save_error='warn')", err)
+        log.warning("ckpt_core: %s; training continues (on_save_error='warn', %d failed in a row, the newest "
+                    "committed checkpoint is %.0fs old)", err, self._failed_saves, self.checkpoint_age_s)
+
+    @property
+    def checkpoint_age_s(self) -> float:
+        """Seconds since the newest checkpoint was committed (or restored, or, before either, the manager created)."""
+        return time.monotonic() - self._last_commit_time
+
+    @property
+    def failed_saves(self) -> int:
+        """Saves that failed in a row since the last commit (``on_save_error="warn"``)."""
+        return self._failed_saves
+
+    def _check_age(self, step: int) -> None:
+        """After a wanted save: escalate when saves keep failing past ``max_checkpoint_age_*`` (collective).
+
+        Every rank judges its own facts, then takes the lowest rank's verdict, so that all
+        raise (or warn) at the same step.
+        """
+        s = self.settings
+        if s.on_save_error != "warn" or (s.max_checkpoint_age_s is None and s.max_checkpoint_age_steps is None):
+            return
+        since = self._last_commit_step if self._last_commit_step is not None else self._first_step
+        too_old = checkpoint_too_old(step - (since if since is not None else step), self.checkpoint_age_s,
+                                     s.max_checkpoint_age_steps, s.max_checkpoint_age_s)
+        action = on_stale(too_old, self._failed_saves, s.on_save_error, s.on_stale_checkpoint)
+        agreed = first_problem(self._ctl, None if action is None or too_old is None else (action, too_old))
+        if agreed is None:
+            return
+        action, reason = agreed
+        if action == "raise":
+            raise StaleCheckpointError(step, reason, self._last_commit_step,
+                                       self._last_error or RuntimeError("a save failed on another rank"))
+        log.warning("ckpt_core: checkpoint saves keep failing (now at step %d) and the newest committed checkpoint is "
+                    "%s; training goes on unprotected (on_stale_checkpoint='warn')", step, reason)
 
     def _retain(self, stats: SaveStats) -> None:
         """On the retainer's thread: delete what the policy lets go (never this save, the resumed or in flight)."""
@@ -376,7 +440,8 @@ class CheckpointManager:
             return None
         self.resumed_from = rec.step
         self._committed.add(rec.step)
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._last_commit_time = time.monotonic()
+        self._last_commit_step = rec.step
         if self.rank == 0:  # at the same world size the run continues exactly: the same first losses
             same = rec.world_size == self.world_size
             self._resume_check.resumed(recorded_losses(rec.path, self.settings.storage_options) if same else {})

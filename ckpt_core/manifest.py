@@ -15,13 +15,17 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
+from .signing import canonical
 from .strict_json import MAX_INT, Fields, as_float, as_int, is_safe_name, loads_object
 
 FORMAT_NAME = "ckpt_core.manifest"
 FORMAT_VERSION = 2
-"""1: the first format. 2: adds ``checkpoint_id``, which every rank's sidecar repeats (with per-item checksums)."""
+"""1: the first format. 2: adds ``checkpoint_id``, which every rank's sidecar repeats (with per-item checksums).
+Signed manifests (``signing``) are format 2 with two optional fields, ``digests`` and ``signature``."""
 MAX_WORLD_SIZE = 2**31 - 1
 CHECKPOINT_ID_RE = re.compile(r"^[0-9a-f]{8,64}(-[0-9]{1,19})?$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_NOT_WRITTEN = ("signed_content", "authenticated")
 
 
 class ManifestError(ValueError):
@@ -49,17 +53,36 @@ class Manifest:
     contents: Mapping[str, Any] = field(default_factory=dict)
     checkpoint_id: Optional[str] = None
     version: int = FORMAT_VERSION
+    digests: Mapping[str, str] = field(default_factory=dict)
+    """SHA-256 (hex) of every sidecar and of ``.metadata``; written by signed saves only."""
+    signature: Optional[str] = None
+    """HMAC-SHA256 (hex) over the rest of the manifest (``signing.canonical``); None: unsigned."""
+    signed_content: bytes = field(default=b"", repr=False, compare=False)
+    """What ``signature`` signs, as read (set by ``parse_manifest``; never written)."""
+    authenticated: bool = field(default=False, repr=False, compare=False)
+    """Whether ``signing.authenticate`` checked the signature against the key (never written)."""
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
-    def to_json(self) -> str:
+    def to_json(self, signing_key: Optional[bytes] = None) -> str:
+        """The manifest as JSON; with ``signing_key``, with its ``signature`` (any signature it had is dropped)."""
         body = asdict(self)
+        for k in _NOT_WRITTEN:
+            del body[k]
         body["format"] = FORMAT_NAME
         body["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
         body["fingerprint"] = {k: list(v) for k, v in sorted(self.fingerprint.items())}
-        return json.dumps(body, indent=1, sort_keys=True, allow_nan=True)
+        body.pop("signature")
+        if not body["digests"]:
+            del body["digests"]
+        text = json.dumps(body, indent=1, sort_keys=True, allow_nan=True)
+        if signing_key is None:
+            return text
+        from .signing import signed_json
+
+        return signed_json(text, signing_key)
 
 
 def is_healthy(fingerprint: Mapping[str, tuple[float, float, int]]) -> bool:
@@ -92,6 +115,7 @@ def build_manifest(
     contents: Optional[Mapping[str, Any]] = None,
     wall_time: Optional[float] = None,
     checkpoint_id: Optional[str] = None,
+    digests: Optional[Mapping[str, str]] = None,
 ) -> Manifest:
     return Manifest(
         step=step,
@@ -106,6 +130,7 @@ def build_manifest(
         versions=library_versions(),
         contents=dict(contents or {}),
         checkpoint_id=checkpoint_id or new_checkpoint_id(None, step),
+        digests=dict(digests or {}),
     )
 
 
@@ -121,6 +146,7 @@ def parse_manifest(text: str | bytes) -> Manifest:
             f"manifest version {version} is newer than this library understands "
             f"({FORMAT_VERSION}); upgrade ckpt to read it"
         )
+    signature = f.str("signature", SHA256_RE, default=None)
     return Manifest(
         step=f.int("step"),
         world_size=f.int("world_size", minimum=1, maximum=MAX_WORLD_SIZE),
@@ -135,7 +161,28 @@ def parse_manifest(text: str | bytes) -> Manifest:
         contents=f.object("contents", default={}),
         checkpoint_id=f.str("checkpoint_id", CHECKPOINT_ID_RE) if version >= 2 else None,
         version=version,
+        digests=_digests(f),
+        signature=signature,
+        signed_content=b"" if signature is None else _signed_content(body),
     )
+
+
+def _signed_content(body: dict) -> bytes:
+    try:
+        return canonical(body)
+    except (RecursionError, ValueError, TypeError) as e:
+        raise ManifestError(f"manifest cannot be checked against its signature ({type(e).__name__})") from None
+
+
+def _digests(f: Fields) -> dict[str, str]:
+    out = {}
+    for name, value in f.object("digests", default={}).items():
+        if not is_safe_name(name):
+            raise f.fail("digests", f"names a file outside the checkpoint directory or with odd characters: {name!r}")
+        if not isinstance(value, str) or not SHA256_RE.match(value):
+            raise f.fail("digests", f"entry {name[:80]!r} must be a SHA-256 in hex")
+        out[name] = value
+    return out
 
 
 def _files(f: Fields) -> dict[str, FileEntry]:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch.distributed.checkpoint as dcp
 
 from . import fingerprint as fp
+from . import signing
 from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .dcp_io import SafeLoadPlanner, make_reader
@@ -26,7 +27,7 @@ from .errors import RestoreError, describe, is_fatal
 from .manifest import Manifest, ManifestError
 from .records import CheckpointInfo
 from .state import RANK_KEY, StateMismatchError, TrainState
-from .storage import get_fs, join
+from .storage import MANIFEST_NAME, get_fs, join
 
 log = logging.getLogger("ckpt_core")
 
@@ -42,7 +43,9 @@ class Restorer:
         self.root, self.settings, self._group, self._pg = root, settings, group, process_group
         self.fs, self.root_path = get_fs(root, **settings.storage_options)
         self.timings: dict[str, float] = {}
+        self.fallbacks = 0  # checkpoints skipped at the last restore (rank 0 also counts those passed over unread)
         self._weights_only = False
+        self._signing_key = signing.settings_key(settings)
 
     def restore(self, state: TrainState, step: Optional[int], path: Optional[str], weights_only: bool = False
                 ) -> tuple[Optional[CheckpointInfo], set[int]]:
@@ -56,6 +59,7 @@ class Restorer:
         self._weights_only = weights_only
         t0 = time.monotonic()
         self.timings = {}
+        self.fallbacks = 0
         explicit = step is not None or path is not None
         candidates, committed = self._group.broadcast(self._candidates(step, path) if self._group.rank == 0 else None)
         if explicit and not candidates:
@@ -81,6 +85,7 @@ class Restorer:
         msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
         if explicit:
             raise RestoreError(msg)
+        self.fallbacks += 1
         if self._group.rank == 0:
             warnings.warn(msg + "; falling back to an older checkpoint", stacklevel=4)
         log.warning("ckpt_core: %s; falling back", msg)
@@ -116,22 +121,31 @@ class Restorer:
         records = list_records(self.root, self.settings.storage_options)
         chosen = choose_for_restore(records, step)
         if step is None:
-            _report_skipped(records, chosen[0].step if chosen else -1)
+            self.fallbacks += _report_skipped(records, chosen[0].step if chosen else -1)
         return chosen, {r.step for r in records if r.committed}
 
-    def _read_manifest(self, rec: CheckpointInfo) -> Manifest:
+    def _read_manifest(self, rec: CheckpointInfo, authenticate: bool = True) -> Manifest:
+        """The manifest of ``rec``; with a signing key, authenticated (``SignatureError`` if not signed with it)."""
         fs, fs_path = get_fs(rec.path, **self.settings.storage_options)
-        return read_manifest(fs, fs_path)
+        manifest = read_manifest(fs, fs_path)
+        if self._signing_key is None or not authenticate:
+            return manifest
+        return signing.authenticate(manifest, self._signing_key, MANIFEST_NAME)
 
     def _problem(self, rec: CheckpointInfo) -> Optional[str]:
         if not rec.committed:
             return rec.problem or "not committed"
         try:
-            manifest = self._read_manifest(rec)
+            manifest = self._read_manifest(rec, authenticate=False)
         except (FileNotFoundError, ManifestError) as e:
             return f"manifest: {e}"
         if (manifest.step, manifest.checkpoint_id) != (rec.step, rec.checkpoint_id):
             return "its manifest changed while it was being restored"
+        if self._signing_key is not None:
+            try:
+                manifest = signing.authenticate(manifest, self._signing_key, MANIFEST_NAME)
+            except signing.SignatureError as e:
+                return str(e)
         try:
             # every rank unpickles .metadata next (_prepare_load), under the same allowlist
             return validate(rec.path, manifest, self.settings.verify, self.settings.storage_options,
@@ -209,18 +223,22 @@ class Restorer:
                 + "; ".join(diffs[:5]))
 
 
-def _report_skipped(records: list[CheckpointInfo], newest: int) -> None:
-    """Say why each checkpoint newer than the one chosen was passed over."""
+def _report_skipped(records: list[CheckpointInfo], newest: int) -> int:
+    """Say why each checkpoint newer than the one chosen was passed over; how many were checkpoints (not torn)."""
+    skipped = 0
     for r in records:
         if r.step <= newest:
             continue
         if r.problem and "unusable" in r.problem:
+            skipped += 1
             warnings.warn(f"checkpoint {r.path} (step {r.step}) is skipped: {r.problem}", stacklevel=5)
         elif r.committed and not r.healthy:
+            skipped += 1
             log.warning("ckpt_core: skipping %s (step %d): saved with non-finite values (unhealthy); "
                         "restore(step=%d) loads it explicitly", r.path, r.step, r.step)
         elif not r.committed:
             log.info("ckpt_core: ignoring %s (step %d): %s", r.path, r.step, r.problem)
+    return skipped
 
 
 def check_world_size(manifest: Manifest, metadata: Any) -> None:

@@ -47,16 +47,24 @@ class Sidecar:
     items: Mapping[ItemKey, int] = field(default_factory=dict)
     checkpoint_id: Optional[str] = None
     step: Optional[int] = None
+    item_sha256: Mapping[ItemKey, str] = field(default_factory=dict)
+    """SHA-256 (hex) of every item: written by signed saves only (the CRC32Cs alone can be forged)."""
 
     def to_json(self) -> bytes:
         items: dict[str, list[list[int]]] = {}
         for (name, offset, length), crc in sorted(self.items.items()):
             items.setdefault(name, []).append([offset, length, crc])
-        return json.dumps({
+        body = {
             "format": SIDECAR_FORMAT, "checkpoint_id": self.checkpoint_id, "step": self.step,
             "prefix": self.prefix, "files": {k: list(v) for k, v in sorted(self.files.items())},
             "items": items, "fingerprint": {k: list(v) for k, v in sorted(self.fingerprint.items())},
-        }, allow_nan=True).encode()
+        }
+        if self.item_sha256:
+            shas: dict[str, list[list]] = {}
+            for (name, offset, length), sha in sorted(self.item_sha256.items()):
+                shas.setdefault(name, []).append([offset, length, sha])
+            body["item_sha256"] = shas
+        return json.dumps(body, allow_nan=True).encode()
 
 
 def parse_sidecar(text: str | bytes, name: str = "sidecar") -> Sidecar:
@@ -81,9 +89,11 @@ def parse_sidecar(text: str | bytes, name: str = "sidecar") -> Sidecar:
     except ManifestError as e:
         raise SidecarError(str(e)) from None
     versioned = body.get("format") == SIDECAR_FORMAT
+    items = _items(f, files) if versioned else {}
     return Sidecar(
         prefix=prefix, files=files, fingerprint=fingerprint,
-        items=_items(f, files) if versioned else {},
+        items=items,
+        item_sha256=_item_sha256(f, items) if versioned else {},
         checkpoint_id=f.str("checkpoint_id", CHECKPOINT_ID_RE) if versioned else None,
         step=f.int("step") if versioned else None,
     )
@@ -105,4 +115,25 @@ def _items(f: Fields, files: Mapping[str, tuple[int, int]]) -> dict[ItemKey, int
             if offset + length > size:
                 raise fail(f"has an item past the end of the file ({offset}+{length} > {size})")
             out[(fname, offset, length)] = as_int(entry[2], fail, maximum=2**32 - 1)
+    return out
+
+
+def _item_sha256(f: Fields, items: Mapping[ItemKey, int]) -> dict[ItemKey, str]:
+    from .manifest import SHA256_RE
+
+    out: dict[ItemKey, str] = {}
+    for fname, entries in f.object("item_sha256", default={}).items():
+        def fail(why: str, fname: str = fname) -> SidecarError:
+            return f.fail("item_sha256", f"of {fname[:80]!r} {why}")
+
+        if not isinstance(entries, list):
+            raise fail("must list [offset, length, sha256]")
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[2], str) \
+                    or not SHA256_RE.match(entry[2]):
+                raise fail("must be [offset, length, sha256 in hex]")
+            key = (fname, as_int(entry[0], fail), as_int(entry[1], fail))
+            if key not in items:
+                raise fail(f"names bytes {key[1]}+{key[2]}, which are not an item of the sidecar")
+            out[key] = entry[2]
     return out

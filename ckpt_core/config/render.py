@@ -19,6 +19,8 @@ def redact(name: str, value: Any) -> Any:
     if schema()[name].secret and isinstance(value, Mapping):
         return {k: ("***" if _SECRET_KEY.search(str(k)) and v is not None else redact(name, v))
                 for k, v in value.items()}
+    if schema()[name].secret and schema()[name].type is not dict and isinstance(value, (str, bytes)):
+        return "***"  # a secret that is a string: a key
     if isinstance(value, str) and "://" in value:
         return re.sub(r"^([a-zA-Z0-9+.-]+://)[^/@]*@", r"\1***@", value)
     return value

@@ -101,7 +101,22 @@ class CheckpointSettings:
                                 IN_FLIGHT_POLICIES)
     on_save_error: str = _choice("raise", "a failed background write raises on the training side or warns.",
                                  ERROR_POLICIES)
+    max_checkpoint_age_s: Optional[float] = _pos_num(
+        None, "with on_save_error=warn: a failed save when the newest committed checkpoint is older than this many "
+              "seconds does what on_stale_checkpoint says.", unit="seconds")
+    max_checkpoint_age_steps: Optional[int] = _pos_int(
+        None, "the same limit in steps since the newest committed checkpoint.")
+    on_stale_checkpoint: str = _choice("raise", "when saves fail past max_checkpoint_age_*: raise "
+                                                "(StaleCheckpointError) or warn.", ERROR_POLICIES)
     verify: str = _choice("size", "check before loading: none, size (default) or checksum.", VERIFY_LEVELS)
+    signing_key: Optional[str] = field(default=None, repr=False, metadata={
+        "help": "HMAC-SHA256 key: saves are signed; restore refuses unsigned or wrongly signed checkpoints. "
+                "Never stored or logged.",
+        "check": lambda v: v is None or (isinstance(v, (str, bytes)) and len(v) > 0),
+        "expected": "a non-empty key or None", "choices": (), "secret": True})
+    signing_key_file: Optional[str] = _spec(None, "a file holding the signing key (instead of signing_key).",
+                                            lambda v: v is None or (isinstance(v, str) and bool(v)),
+                                            "a path or None")
     max_host_memory_bytes: Optional[int] = _pos_int(
         None, "bound on staging memory; larger states save synchronously.")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
