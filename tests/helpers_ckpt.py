@@ -40,6 +40,45 @@ def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+def save_distinct(root: str, state: Any, model: nn.Module, steps: Iterable[int], **kwargs: Any) -> dict:
+    """Synchronous checkpoints of ``state`` at ``steps``, the parameters shifted by ``0.01 * step`` before each;
+    returns the model's weights at each step."""
+    from ckpt_core import CheckpointManager
+
+    weights = {}
+    with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
+        for step in steps:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * step)
+            m.save(step, state)
+            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    return weights
+
+
+def restore_warned(root: str, state: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Restore the newest valid checkpoint under ``root`` into ``state``: ``(info, the warnings joined by ' | ')``."""
+    import warnings
+
+    from ckpt_core import CheckpointManager
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
+            info = m.restore(state)
+    return info, " | ".join(str(w.message) for w in caught)
+
+
+def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``ckpt ARGV`` in this process: ``(exit code, stdout, stderr)``; never a traceback."""
+    from ckpt_core.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
 def tiny_model(seed: int = 0) -> nn.Module:
     """A small MLP with odd sizes (uneven shards) and a BatchNorm (an int64 buffer)."""
     torch.manual_seed(seed)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ from torch import nn
 
 import hostile
 from ckpt_core import CheckpointManager, CheckpointRootError, RestoreError, SaveError, TrainState
-from ckpt_core.cli import main as cli
-from helpers_ckpt import tiny_model
+from helpers_ckpt import restore_warned, run_cli as _cli, save_distinct, tiny_model
 
 STEPS = (10, 20)
 
@@ -50,25 +48,13 @@ def _state(seed: int = 0) -> tuple[TrainState, nn.Module]:
 
 def _save(root: Path, steps=STEPS, **kwargs) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints at ``steps`` with distinct weights; returns the weights of each."""
-    state, model = _state()
-    weights = {}
-    with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
-        for step in steps:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01 * step)
-            m.save(step, state)
-            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
-    return weights
+    return save_distinct(root, *_state(), steps, **kwargs)
 
 
 def _restore(root: Path, **kwargs):
     state, model = _state(seed=99)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
-            info = m.restore(state)
-    return info, model, state, " | ".join(str(w.message) for w in caught)
+    info, said = restore_warned(root, state, **kwargs)
+    return info, model, state, said
 
 
 def _assert_weights(model: nn.Module, expected: dict) -> None:
@@ -93,13 +79,6 @@ def run(pristine, tmp_path) -> tuple[Path, dict]:
 
 def _ckpt(root: Path, step: int) -> Path:
     return root / f"step_{step:09d}"
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli(list(argv))
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def _every_command(capsys, root: Path, ckpt: Path, tmp_path: Path) -> dict[str, int]:

@@ -13,7 +13,6 @@ import json
 import logging
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 import crc32c
@@ -21,12 +20,11 @@ import pytest
 import torch
 
 import hostile
-from ckpt_core import CheckpointManager, TrainState
+from ckpt_core import TrainState
 from ckpt_core import fingerprint as fp
-from ckpt_core.cli import main as cli
 from ckpt_core.config import SettingError, log_effective_settings, resolve_settings
 from ckpt_core.signing import sign
-from helpers_ckpt import tiny_model
+from helpers_ckpt import restore_warned, run_cli as _cli, save_distinct, tiny_model
 
 KEY = "correct horse battery staple"
 OTHER = "another key entirely"
@@ -39,25 +37,13 @@ def _state(seed: int = 0):
 
 
 def _save(root: Path, steps=STEPS, **kwargs) -> dict[int, dict[str, torch.Tensor]]:
-    state, model = _state()
-    weights = {}
-    with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
-        for step in steps:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01 * step)
-            m.save(step, state)
-            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
-    return weights
+    return save_distinct(root, *_state(), steps, **kwargs)
 
 
 def _restore(root: Path, **kwargs):
     state, model = _state(seed=99)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with CheckpointManager(str(root), async_mode="off", handle_preemption=False, **kwargs) as m:
-            info = m.restore(state)
-    return info, model, " | ".join(str(w.message) for w in caught)
+    info, said = restore_warned(root, state, **kwargs)
+    return info, model, said
 
 
 def _same(model, weights) -> bool:
@@ -66,13 +52,6 @@ def _same(model, weights) -> bool:
 
 def _ckpt(root: Path, step: int) -> Path:
     return root / f"step_{step:09d}"
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli(list(argv))
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
