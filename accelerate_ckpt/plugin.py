@@ -369,8 +369,7 @@ class CheckpointPlugin:
             path = os.fspath(path).rstrip("/")
             info = self._manager_for(parent(path)).restore(state, path=path, set_aside_newer=set_aside_newer)
         elif root is not None and not (self.settings.dirpath and same_root(root, self.settings.dirpath)):
-            info = self.driver.restore(state, root=root, step=step) if self.settings.dirpath else \
-                self._manager_for(root).restore(state, step=step, set_aside_newer=False)
+            info = self._manager_for(root).restore(state, step=step, set_aside_newer=False)  # read, move nothing
         else:
             info = self.driver.restore(state, step=step)
         if info is None:
