@@ -86,8 +86,10 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
 
     try:
         obj = _AllowlistUnpickler(data, source).load()
-    except pickle.UnpicklingError:
-        raise
+    except pickle.UnpicklingError as e:  # pickle's own ("pickle exhausted before end of frame") names no file
+        if source in str(e):
+            raise
+        raise pickle.UnpicklingError(f"{source} is not valid DCP metadata ({e})") from None
     except RecursionError:
         raise pickle.UnpicklingError(f"{source} is nested too deeply to be DCP metadata") from None
     except Exception as e:  # noqa: BLE001 - any other failure of a malformed pickle: not loadable

@@ -87,3 +87,17 @@ def test_restore_with_corpus_manifest(path, tmp_path):
     with CheckpointManager(str(root), async_mode="off", handle_preemption=False) as m:
         with pytest.warns(UserWarning, match="step_000000007.*is skipped: unusable manifest"):
             assert m.restore(TrainState()) is None
+
+
+def test_every_prefix_of_a_real_metadata_is_refused_naming_the_file(tmp_path):
+    """A ``.metadata`` cut anywhere is refused with an error that names it (pickle's own errors name no file)."""
+    from ckpt_core import CheckpointManager, TrainState
+    from torch import nn
+
+    m = CheckpointManager(str(tmp_path / "run"), async_mode="off", env={}, argv=[])
+    m.save(1, TrainState(model=nn.Linear(4, 4)))
+    m.close()
+    real = (tmp_path / "run" / "step_000000001" / ".metadata").read_bytes()
+    for cut in range(0, len(real), max(1, len(real) // 200)):
+        with pytest.raises(pickle.UnpicklingError, match=r"step_1/\.metadata"):
+            load_dcp_metadata(real[:cut], "step_1/.metadata")
