@@ -30,10 +30,42 @@ def saved(tmp_path_factory):
     return d
 
 
+def _damaged_copy(saved, root):
+    """``saved``'s checkpoints with a flipped byte in the item only ranks 1 and 3 of 4 read (rank 1's blob of the
+    2-rank save), beside an intact copy of step 5 under another label."""
+    import shutil
+
+    from ckpt_core.dcp_io import read_metadata
+
+    shutil.copytree(saved / "ckpt", root)
+    good = root / "step_000000005"
+    shutil.copytree(good, root / "checkpoint_1")  # an intact copy of step 5 under another label
+    info = next(i for idx, i in read_metadata(str(good)).storage_data.items() if idx.fqn == "ranks.1")
+    shard = good / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length - 64] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def resumed_at_4(saved, tmp_path_factory):
+    """One 4-rank launch, two resumes: the intact 2-rank save (``saved / "resume4"``), then a damaged copy of it
+    (``(d / "damaged_out")``), in the same processes with a fresh model, optimizer, loader and manager."""
+    d = tmp_path_factory.mktemp("resume4")
+    _damaged_copy(saved, d / "damaged")
+    proc = run_script(SCRIPT, ["--root", str(saved / "ckpt"), "--phase", "resume", "--out", str(saved / "resume4"),
+                               "--also", str(d / "damaged"), str(d / "damaged_out")], nproc=4, torchrun=True)
+    return d, proc
+
+
 @pytest.mark.parametrize("world", [1, 4])
-def test_fsdp2_reshard_restores_same_full_state_and_data_order(saved, world):
+def test_fsdp2_reshard_restores_same_full_state_and_data_order(saved, world, request):
     out = saved / f"resume{world}"
-    run_script(SCRIPT, ["--root", str(saved / "ckpt"), "--phase", "resume", "--out", str(out)], nproc=world, torchrun=True)
+    if world == 4:
+        request.getfixturevalue("resumed_at_4")
+    else:
+        run_script(SCRIPT, ["--root", str(saved / "ckpt"), "--phase", "resume", "--out", str(out)], nproc=world,
+                   torchrun=True)
     before, after = torch.load(saved / "save.pt"), torch.load(f"{out}.pt")
     fb, fa = _flat(before["model"]), _flat(after["model"])
     assert fb.keys() == fa.keys() and fb
@@ -50,26 +82,15 @@ def test_fsdp2_reshard_restores_same_full_state_and_data_order(saved, world):
     assert sorted(seen_before + seen_after) == list(range(48))
 
 
-def test_damaged_item_read_by_some_ranks_only_makes_every_rank_fall_back(saved, tmp_path):
+def test_damaged_item_read_by_some_ranks_only_makes_every_rank_fall_back(saved, resumed_at_4):
     """At 4 ranks from a 2-rank save, only ranks 1 and 3 read rank 1's blob: a flipped byte there is caught
     by the per-item checksum on those ranks, and all four ranks fall back to the same (intact) copy."""
-    import shutil
-
-    from ckpt_core.dcp_io import read_metadata
-
-    root = tmp_path / "ckpt"
-    shutil.copytree(saved / "ckpt", root)
-    good = root / "step_000000005"
-    shutil.copytree(good, root / "checkpoint_1")  # an intact copy of step 5 under another label
-    info = next(i for idx, i in read_metadata(str(good)).storage_data.items() if idx.fqn == "ranks.1")
-    shard = good / info.relative_path
-    data = bytearray(shard.read_bytes())
-    data[info.offset + info.length - 64] ^= 0x01
-    shard.write_bytes(bytes(data))
-    out = tmp_path / "resume4"
-    proc = run_script(SCRIPT, ["--root", str(root), "--phase", "resume", "--out", str(out)], nproc=4, torchrun=True)
+    d, proc = resumed_at_4
+    # the damaged root is the launch's second resume: the intact first one reports no unusable checkpoint
+    assert f"{saved / 'ckpt' / 'step_000000005'} (step 5) is not usable" not in proc.stderr
     assert "step_000000005 (step 5) is not usable" in proc.stderr and "fail their checksum" in proc.stderr
-    restored = torch.load(f"{out}.pt")
+    assert f"{d / 'damaged' / 'step_000000005'} (step 5) is not usable" in proc.stderr
+    restored = torch.load(f"{d / 'damaged_out'}.pt")
     before = torch.load(saved / "save.pt")
     for k, v in _flat(before["model"]).items():
         assert torch.equal(v, _flat(restored["model"])[k]), k

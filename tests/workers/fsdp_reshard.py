@@ -2,7 +2,9 @@
 
 phase=save: train ``--save-step`` steps, save, dump the full state and the samples seen.
 phase=resume: restore (resharding), dump the full restored state, then finish the
-epoch and dump the samples seen after the resume.
+epoch and dump the samples seen after the resume; ``--also ROOT OUT`` (repeatable)
+does the same again in the same processes from another root, with a fresh model,
+optimizer, loader and manager (one launch for several resumes).
 """
 
 from __future__ import annotations
@@ -39,14 +41,7 @@ def full_copy(model: nn.Module, opt: torch.optim.Optimizer):
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--root", required=True)
-    p.add_argument("--phase", choices=["save", "resume"], required=True)
-    p.add_argument("--save-step", type=int, default=5)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
+def run(root: str, phase: str, save_step: int, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -55,14 +50,14 @@ def main() -> None:
     data = Indexed()
     loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=ResumableDistributedSampler(data, seed=3)))
     state = TrainState(model=model, optimizers=opt, dataloader=loader)
-    manager = CheckpointManager(args.root, async_mode="off")
+    manager = CheckpointManager(root, async_mode="off")
     seen: list[int] = []
-    if args.phase == "resume":
+    if phase == "resume":
         info = manager.resume(state)
         assert info is not None
     step = state.step
     full_at_restore = None
-    if args.phase == "resume":
+    if phase == "resume":
         full_at_restore = full_copy(model, opt)
     for x, idx in loader:
         step += 1
@@ -70,7 +65,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         seen.extend(idx.tolist())
-        if args.phase == "save" and step == args.save_step:
+        if phase == "save" and step == save_step:
             full = full_copy(model, opt)
             manager.save(step, state)
             manager.wait()
@@ -78,13 +73,28 @@ def main() -> None:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, seen)
     if rank == 0:
-        if args.phase == "save":
-            torch.save({"model": full[0], "optim": full[1]}, args.out + ".pt")
+        if phase == "save":
+            torch.save({"model": full[0], "optim": full[1]}, out + ".pt")
         else:
-            torch.save({"model": full_at_restore[0], "optim": full_at_restore[1]}, args.out + ".pt")
-        with open(args.out + ".json", "w") as f:
+            torch.save({"model": full_at_restore[0], "optim": full_at_restore[1]}, out + ".pt")
+        with open(out + ".json", "w") as f:
             json.dump({"seen": sorted(i for r in gathered for i in r), "world": world, "step": step}, f)
     manager.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--phase", choices=["save", "resume"], required=True)
+    p.add_argument("--save-step", type=int, default=5)
+    p.add_argument("--out", required=True)
+    p.add_argument("--also", nargs=2, action="append", default=[], metavar=("ROOT", "OUT"),
+                   help="phase=resume: then resume again from ROOT, writing OUT")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    run(args.root, args.phase, args.save_step, args.out)
+    for root, out in args.also:
+        run(root, "resume", args.save_step, out)
     dist.destroy_process_group()
 
 
