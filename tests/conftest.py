@@ -81,3 +81,23 @@ def read_traces(trace_dir: Path) -> dict[tuple[int, int, int], list[dict]]:
         a, r, w = (int(x) for x in f.stem.replace("trace.attempt", "").replace("rank", "").replace("world", "").split("."))
         out[(a, r, w)] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return out
+
+
+@pytest.fixture(scope="session")
+def core_reference(tmp_path_factory):
+    """``reference(nproc, *args)``: the prefix of an uninterrupted ``examples/core_train.py --async-mode off`` run
+    with those arguments, its checkpoints under the same path; each distinct run is made once per session and
+    shared by every test that compares with it (checkpointing never changes the numbers, so the runs it is
+    compared with may write in any mode)."""
+    made: dict[tuple, Path] = {}
+
+    def reference(nproc: int, *args: str) -> Path:
+        key = (nproc, *args)
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"core_reference_{nproc}")
+            run_script(EXAMPLES / "core_train.py", ["--root", str(d / "a"), "--out", str(d / "a"), *args,
+                                                    "--async-mode", "off"], nproc=nproc)
+            made[key] = d / "a"
+        return made[key]
+
+    return reference

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from conftest import EXAMPLES, load_result, run_script
+from conftest import EXAMPLES, load_result, read_traces, run_script
 
 SCRIPT = EXAMPLES / "core_train.py"
 
@@ -24,22 +24,34 @@ def _assert_same_state(a: dict, b: dict) -> None:
             assert torch.equal(sa[pid][name], sb[pid][name]), (pid, name)
 
 
-def _kill_and_resume(tmp_path, nproc: int, mode: str, extra: tuple = (), steps: int = 40, every: int = 10,
-                     kill_at: int = 27) -> None:
-    """Uninterrupted vs SIGKILLed-then-resumed: identical losses, samples, parameters and optimizer state."""
-    common = ["--steps", str(steps), "--every", str(every), "--async-mode", mode, *extra]
-    run_script(SCRIPT, ["--root", str(tmp_path / "a"), "--out", str(tmp_path / "a"), *common], nproc=nproc)
-    killed = run_script(SCRIPT, ["--root", str(tmp_path / "b"), "--kill-at-step", str(kill_at), *common],
-                        nproc=nproc, check=False)
+def _kill_and_resume(tmp_path, reference, nproc: int, mode: str, extra: tuple = (), steps: int = 40,
+                     every: int = 10, kill_at: int = 27) -> None:
+    """Uninterrupted vs SIGKILLed-then-resumed: identical losses, samples, parameters and optimizer state.
+
+    The uninterrupted run is ``reference``'s (saving synchronously, made once for every mode): the killed run's
+    losses up to the kill and the resumed run's after it are compared with it."""
+    common = ["--steps", str(steps), "--every", str(every), *extra]
+    ref_prefix = reference(nproc, *common)
+    common += ["--async-mode", mode]
+    killed = run_script(SCRIPT, ["--root", str(tmp_path / "b"), "--kill-at-step", str(kill_at),
+                                 "--trace", str(tmp_path / "trace"), *common], nproc=nproc, check=False)
     assert killed.returncode != 0  # the run really died (SIGKILL)
     if nproc == 1:
         assert killed.returncode == -signal.SIGKILL
     run_script(SCRIPT, ["--root", str(tmp_path / "b"), "--out", str(tmp_path / "b"), *common], nproc=nproc)
     newest = kill_at - kill_at % every
+    traces = read_traces(tmp_path / "trace")
+    assert sorted(traces) == [(0, rank, nproc) for rank in range(nproc)]
     for rank in range(nproc):
-        ref_meta, ref_state = load_result(tmp_path / "a", rank)
+        ref_meta, ref_state = load_result(ref_prefix, rank)
         meta, state = load_result(tmp_path / "b", rank)
+        # the killed run, in its own mode, trained exactly as the uninterrupted one up to the kill
+        before = traces[(0, rank, nproc)]
         resumed = meta["resumed_from"]
+        # (at several ranks, the first rank to die can take another down a step before the kill)
+        assert [t["step"] for t in before] == list(range(1, len(before) + 1))
+        assert len(before) == kill_at if nproc == 1 else resumed <= len(before) <= kill_at
+        assert all(t["loss"] == ref_meta["losses"][str(t["step"])] for t in before)
         # the newest committed checkpoint before the kill (or the one before, when it was still writing)
         assert resumed in (newest - every, newest) if mode != "off" else resumed == newest
         resumed_steps = sorted(int(s) for s in meta["losses"])
@@ -56,19 +68,21 @@ def _kill_and_resume(tmp_path, nproc: int, mode: str, extra: tuple = (), steps: 
     "nproc,mode",
     [(1, "off"), (1, "thread"), (1, "process"), (2, "off"), (2, "process")],
 )
-def test_kill_and_resume_is_bit_exact(tmp_path, nproc, mode):
-    _kill_and_resume(tmp_path, nproc, mode)
+def test_kill_and_resume_is_bit_exact(tmp_path, core_reference, nproc, mode):
+    _kill_and_resume(tmp_path, core_reference, nproc, mode)
 
 
-def _resume_from_reference(tmp_path, nproc: int, extra: tuple, steps: int, every: int, resume_at: int) -> None:
+def _resume_from_reference(tmp_path, reference, nproc: int, extra: tuple, steps: int, every: int,
+                           resume_at: int) -> None:
     """The uninterrupted run's own checkpoint at ``resume_at``, resumed: it ends exactly as the run did."""
-    common = ["--steps", str(steps), "--every", str(every), "--async-mode", "off", *extra]
-    run_script(SCRIPT, ["--root", str(tmp_path / "a"), "--out", str(tmp_path / "a"), *common], nproc=nproc)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=lambda d, names: [
+    common = ["--steps", str(steps), "--every", str(every), *extra]
+    ref_prefix = reference(nproc, *common)
+    shutil.copytree(ref_prefix, tmp_path / "b", ignore=lambda d, names: [
         n for n in names if n.startswith("step_") and int(n[5:]) > resume_at])
-    run_script(SCRIPT, ["--root", str(tmp_path / "b"), "--out", str(tmp_path / "b"), *common], nproc=nproc)
+    run_script(SCRIPT, ["--root", str(tmp_path / "b"), "--out", str(tmp_path / "b"), *common,
+                        "--async-mode", "off"], nproc=nproc)
     for rank in range(nproc):
-        ref_meta, ref_state = load_result(tmp_path / "a", rank)
+        ref_meta, ref_state = load_result(ref_prefix, rank)
         meta, state = load_result(tmp_path / "b", rank)
         assert meta["resumed_from"] == resume_at
         assert {s: v for s, v in ref_meta["losses"].items() if int(s) > resume_at} == meta["losses"]
@@ -76,19 +90,20 @@ def _resume_from_reference(tmp_path, nproc: int, extra: tuple, steps: int, every
         _assert_same_state(ref_state, state)
 
 
-def test_kill_and_resume_is_bit_exact_at_4_ranks(tmp_path):
+def test_kill_and_resume_is_bit_exact_at_4_ranks(tmp_path, core_reference):
     """At 4 ranks the order in which gradients are summed matters (at 2 it does not): a resumed DDP must
     reduce with the buckets the original run had at that step, or the weights drift by an ulp."""
-    _kill_and_resume(tmp_path, 4, "thread", ("--width", "128"), steps=16, every=4, kill_at=11)
+    _kill_and_resume(tmp_path, core_reference, 4, "thread", ("--width", "128"), steps=16, every=4, kill_at=11)
 
 
-def test_fsdp2_resume_is_bit_exact_at_4_ranks(tmp_path):
-    _resume_from_reference(tmp_path, 4, ("--width", "128", "--fsdp"), steps=12, every=4, resume_at=8)
+def test_fsdp2_resume_is_bit_exact_at_4_ranks(tmp_path, core_reference):
+    _resume_from_reference(tmp_path, core_reference, 4, ("--width", "128", "--fsdp"), steps=12, every=4,
+                           resume_at=8)
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_at_8_ranks(tmp_path):
-    _resume_from_reference(tmp_path, 8, ("--width", "128"), steps=10, every=4, resume_at=8)
+def test_resume_is_bit_exact_at_8_ranks(tmp_path, core_reference):
+    _resume_from_reference(tmp_path, core_reference, 8, ("--width", "128"), steps=10, every=4, resume_at=8)
 
 
 def test_ddp_bucket_layout_is_fixed_before_the_first_step(tmp_path):

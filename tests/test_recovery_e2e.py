@@ -24,12 +24,9 @@ def _same_params(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 2-rank run everything is compared with."""
-    d = tmp_path_factory.mktemp("reference")
-    run_script(SCRIPT, ["--root", str(d / "ckpt"), "--out", str(d / "ref"), "--steps", "40", "--async-mode", "process"],
-               nproc=2)
-    return d / "ref"
+def reference(core_reference):
+    """The uninterrupted 2-rank run everything is compared with (the one test_core_resume.py compares with)."""
+    return core_reference(2, "--steps", "40", "--every", "10")
 
 
 @pytest.mark.parametrize("kill_at", [random.Random(os.getpid()).choice([24, 26, 29, 33]), 21])

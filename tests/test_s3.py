@@ -92,17 +92,21 @@ def test_save_list_restore_retention_on_s3(s3_server):
             assert m.restore(TrainState(model=fresh, optimizers=fresh_opt)).step == 20
 
 
-def test_bit_exact_resume_on_s3_with_background_process(s3_server, tmp_path):
-    """The core example trains, is SIGKILLed, and resumes from S3 with DCP's background writer process."""
+def test_bit_exact_resume_on_s3_with_background_process(s3_server, tmp_path, core_reference):
+    """The core example trains, is SIGKILLed, and resumes from S3 with DCP's background writer process; it ends
+    as the uninterrupted run (which saved locally: where checkpoints go never changes the numbers)."""
     import json
 
     opts = json.dumps(s3_server)
-    common = ["--steps", "30", "--every", "10", "--async-mode", "process", "--storage-options", opts]
-    run_script(EXAMPLES / "core_train.py", ["--root", "s3://ckpts/ref", "--out", str(tmp_path / "a"), *common])
-    run_script(EXAMPLES / "core_train.py", ["--root", "s3://ckpts/b", "--kill-at-step", "24", *common], check=False)
+    reference = core_reference(1, "--steps", "40", "--every", "10")  # test_core_resume.py's too
+    common = ["--steps", "40", "--every", "10", "--async-mode", "process", "--storage-options", opts]
+    killed = run_script(EXAMPLES / "core_train.py", ["--root", "s3://ckpts/b", "--kill-at-step", "24", *common],
+                        check=False)
+    assert killed.returncode == -9  # SIGKILL
     run_script(EXAMPLES / "core_train.py", ["--root", "s3://ckpts/b", "--out", str(tmp_path / "b"), *common])
-    ref, ref_state = load_result(tmp_path / "a")
+    ref, ref_state = load_result(reference)
     got, state = load_result(tmp_path / "b")
     assert got["resumed_from"] in (10, 20)
+    assert sorted(int(s) for s in got["losses"]) == list(range(got["resumed_from"] + 1, 41))
     assert all(got["losses"][s] == ref["losses"][s] for s in got["losses"])
     assert all(torch.equal(ref_state["model"][k], state["model"][k]) for k in ref_state["model"])
