@@ -111,12 +111,28 @@ def plain2_killed(tmp_path_factory) -> tuple[Path, Path]:
     return work / "killed", work / "pristine"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(nproc)``: the records of the uninterrupted plain-loader run at ``nproc`` processes, made once.
+
+    Its saves run in a thread (cheaper to start); checkpointing never changes the numbers, and neither does the
+    loader: a StatefulDataLoader draws the plain DataLoader's order, which the comparisons also show."""
+    made: dict[int, Path] = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in made:
+            work = tmp_path_factory.mktemp(f"ref{nproc}")
+            launch(nproc, run_args(work / "ref_ck", work / "ref", nproc, "plain", ("--ckpt.async_mode", "thread")))
+            made[nproc] = work / "ref"
+        return made[nproc]
+
+    return get
+
+
 @pytest.mark.parametrize("loader,nproc", [("plain", 1), ("plain", 2), ("stateful", 1), ("stateful", 2), ("plain", 4)])
-def test_bit_exact_mid_epoch_resume_after_sigkill(loader, nproc, tmp_path, request):
+def test_bit_exact_mid_epoch_resume_after_sigkill(loader, nproc, tmp_path, request, reference):
     steps, every, kill = CONFIG[nproc]
-    # the uninterrupted reference (its saves run in a thread: cheaper to start; checkpointing never
-    # changes the numbers, which this comparison also shows)
-    launch(nproc, run_args(tmp_path / "ref_ck", tmp_path / "ref", nproc, loader, ("--ckpt.async_mode", "thread")))
+    ref_out = reference(nproc)  # the uninterrupted run
     if (loader, nproc) == ("plain", 2):
         killed_out, pristine = request.getfixturevalue("plain2_killed")
         shutil.copytree(pristine, tmp_path / "ck")
@@ -128,7 +144,7 @@ def test_bit_exact_mid_epoch_resume_after_sigkill(loader, nproc, tmp_path, reque
                killed=True)
     launch(nproc, run_args(tmp_path / "ck", tmp_path / "resumed", nproc, loader))
 
-    ref, killed, resumed = records(tmp_path / "ref"), records(killed_out), records(tmp_path / "resumed")
+    ref, killed, resumed = records(ref_out), records(killed_out), records(tmp_path / "resumed")
     assert sorted(ref) == sorted(killed) == sorted(resumed) == list(range(nproc))
     steps_per_epoch = SAMPLES // (BATCH * nproc)
     for rank in range(nproc):
@@ -149,10 +165,10 @@ def test_bit_exact_mid_epoch_resume_after_sigkill(loader, nproc, tmp_path, reque
         if nproc == 1 and loader == "plain":
             # the core started a 1-rank gloo group for DCP's writer process; Accelerate still runs as NO
             assert (end["distributed_type"], end["process_group"]) == ("NO", True)
-        w_ref = torch.load(tmp_path / "ref" / f"final_rank{rank}.pt", weights_only=True)
+        w_ref = torch.load(ref_out / f"final_rank{rank}.pt", weights_only=True)
         w = torch.load(tmp_path / "resumed" / f"final_rank{rank}.pt", weights_only=True)
         assert w.keys() == w_ref.keys() and all(torch.equal(w[k], w_ref[k]) for k in w)
-        assert_same_tree(torch.load(tmp_path / "ref" / f"final_optim_rank{rank}.pt", weights_only=True),
+        assert_same_tree(torch.load(ref_out / f"final_optim_rank{rank}.pt", weights_only=True),
                          torch.load(tmp_path / "resumed" / f"final_optim_rank{rank}.pt", weights_only=True))
 
 
