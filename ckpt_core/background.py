@@ -42,6 +42,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("ckpt_core")
@@ -127,19 +128,24 @@ class SharedCheckpointProcess:
         with self._lock:
             return self._starts_queued == 0 and not _alive(self._proc)
 
-    def init_info(self, process_group: Any, control: Any) -> Optional[Any]:
+    def init_info(self, process_group: Any, control: Any, timeout_s: Optional[float] = None) -> Optional[Any]:
         """On the training thread, on every rank together: what the next save needs to (re)start the process.
 
         Starting is collective (DCP's ``_ProcessGroupInitInfo`` broadcasts a port,
         and the processes of all ranks form one gloo group), so with several ranks
         they agree first: if any rank's process is gone, every rank starts a new one.
+        ``timeout_s`` bounds the collectives of the processes' group (and its set-up).
         """
         from torch.distributed.checkpoint._async_process_executor import _ProcessGroupInitInfo
 
         need = self.needs_start()
         if getattr(control, "world_size", 1) > 1:
             need = bool(control.all_max(int(need)))
-        return _ProcessGroupInitInfo(process_group) if need else None
+        if not need:
+            return None
+        info = _ProcessGroupInitInfo(process_group)
+        info.ckpt_timeout_s = timeout_s  # read by _bounded_subprocess in the new process
+        return info
 
     def submit(self, staged: Any, writer: Any, planner: Any, init: Optional[Any]) -> Future:
         """Queue one save of the staged state dict; its future. ``init`` (from ``init_info``) restarts the process."""
@@ -182,13 +188,11 @@ class SharedCheckpointProcess:
             job.future.set_result(result)
 
     def _process_for(self, job: _Job) -> Any:
-        from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
-
         if job.init is not None:
             with self._lock:
                 old, self._proc = self._proc, None
             _stop(old)
-            proc = _AsyncCheckpointProcess(job.init)  # spawns it and waits until its process group is up
+            proc = _bounded_process_class()(job.init)  # spawns it and waits until its process group is up
             with self._lock:
                 self._proc = proc
             return proc
@@ -199,6 +203,40 @@ class SharedCheckpointProcess:
             raise RuntimeError(f"the checkpoint writer process is dead (exit code {code}); the next save starts "
                                "a new one")
         return proc
+
+
+def _bounded_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+    """The checkpoint process's main: torch's, with ``collective_timeout_s`` as its process group's timeout.
+
+    torch's subprocess calls ``init_process_group`` without a timeout (30 minutes
+    for gloo); in this process of its own, the default it falls back to is set first.
+    It exits with its parent from the start, also while its process group is set up.
+    """
+    from torch.distributed import distributed_c10d
+    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+
+    from .dcp_io import exit_with_parent
+
+    exit_with_parent()  # here, not at import: while spawn imports the main module, the parent is not known yet
+
+    timeout_s = getattr(pg_init_info, "ckpt_timeout_s", None)
+    if timeout_s:
+        distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def _bounded_process_class() -> type:
+    """torch's ``_AsyncCheckpointProcess`` whose spawned process runs ``_bounded_subprocess``."""
+    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+
+    global _BOUNDED
+    if _BOUNDED is None:
+        _BOUNDED = type("BoundedCheckpointProcess", (_AsyncCheckpointProcess,),
+                        {"_checkpointing_subprocess": staticmethod(_bounded_subprocess)})
+    return _BOUNDED
+
+
+_BOUNDED: Optional[type] = None
 
 
 def _alive(proc: Any) -> bool:

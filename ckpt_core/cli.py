@@ -249,6 +249,25 @@ def _stale(root: str, age: Optional[float], newest_valid: Optional[int], max_age
     return False
 
 
+def _lease(root: str) -> tuple[Optional[Any], str]:
+    """The root's lease and its state (``live``, ``released``, ``expired``, ``gone``, ``none``, or a problem)."""
+    from .lease import LeaseFiles, holder_alive, lease_state
+
+    fs, path = _fs(root)
+    try:
+        rec, _, problem = LeaseFiles(fs, path).current()
+    except OSError as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
+    if rec is None:
+        return None, f"unreadable ({problem})" if problem else "none"
+    return rec, lease_state(rec, time.time(), holder_alive(rec))
+
+
+def _lease_line(root: str) -> str:
+    rec, state = _lease(root)
+    return f"lease: {state}" + (f", {rec.describe(time.time())}" if rec is not None else "")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     root = args.root
     _require_root(root)
@@ -266,8 +285,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if r.step in problems:
                 d["problem"] = problems[r.step]
             body.append(d)
+        rec, state = _lease(root)
+        lease = {"state": state, **({"run_id": rec.run_id, "host": rec.host, "pid": rec.pid,
+                                     "refreshed_age_s": now - rec.refreshed} if rec is not None else {})}
         _out(json.dumps({"root": root, "newest_valid": newest_valid, "newest_valid_age_s": age,
-                         "stale": code != EXIT_OK, "checkpoints": body}, indent=1))
+                         "stale": code != EXIT_OK, "lease": lease, "checkpoints": body}, indent=1))
         return code
     if not records:
         _out(f"no checkpoints under {root}")
@@ -288,6 +310,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append(["", str(r.step), state, "-", "-", "-", "-", "-", "-", r.problem or ""])
     for line in _table(rows, right=(1, 5, 6, 7, 8)):
         _out(line)
+    _out(_lease_line(root))
     if newest_valid is None:
         _out(f"no valid checkpoint under {root}: a run resuming here starts from scratch")
     else:
@@ -565,6 +588,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     records = list_records(root)
     newest_valid, _ = _newest_valid(records)
     doomed = records_to_delete(records, policy, protected=() if newest_valid is None else (newest_valid,))
+    holder, state = _lease(root)
+    if state == "live" and any(not r.committed for r in doomed):  # they may be saves of that job in progress
+        _out(f"a live job holds the lease ({holder.describe(time.time())}): uncommitted directories are kept")
+        doomed = [r for r in doomed if r.committed]
     kept = [r.step for r in records if r not in doomed]
     verb = "would delete" if args.dry_run else "deleting"
     fs, _ = _fs(root)

@@ -15,6 +15,7 @@ import logging
 import threading
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -246,15 +247,17 @@ def ensure_process_group() -> None:
     log.info("ckpt_core: started a 1-rank gloo process group for the background checkpoint process")
 
 
-def checkpoint_groups(async_mode: str) -> tuple[Any, Any]:
+def checkpoint_groups(async_mode: str, timeout_s: float = 300.0) -> tuple[Any, Any]:
     """``(data group, control group)``: gloo groups of their own for the checkpoint code (None on one rank).
 
     DCP's collectives run on the data group; in ``thread`` mode they run on a
     background thread, so the training thread's agreements (preemption, "save
     done?", time sync) use a second group: two threads issuing collectives on
-    one gloo group mismatch them and hang.
+    one gloo group mismatch them and hang. Every collective on them waits at
+    most ``timeout_s`` (``collective_timeout_s``; gloo's default is 30 minutes).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None, None
-    data = dist.new_group(backend="gloo")
-    return data, dist.new_group(backend="gloo") if async_mode == "thread" else data
+    timeout = timedelta(seconds=timeout_s)
+    data = dist.new_group(backend="gloo", timeout=timeout)
+    return data, dist.new_group(backend="gloo", timeout=timeout) if async_mode == "thread" else data

@@ -55,7 +55,10 @@ from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, r
 log = logging.getLogger("ckpt_core")
 
 
-def _exit_with_parent() -> None:
+_WATCHING = False
+
+
+def exit_with_parent() -> None:
     """In a spawned process (DCP's checkpoint writer), exit when the process that spawned it dies.
 
     DCP's writer process is a daemon, which only helps on a clean exit: after a
@@ -65,20 +68,23 @@ def _exit_with_parent() -> None:
     """
     import multiprocessing
 
-    if multiprocessing.parent_process() is None:
+    global _WATCHING
+    parent = multiprocessing.parent_process()  # None while a spawned process imports its parent's main module
+    if parent is None or _WATCHING:
         return
-    ppid = os.getppid()
+    _WATCHING = True
+    ppid = parent.pid  # not os.getppid(): the parent may have died (and this process been re-parented) already
 
     def watch() -> None:
         while True:
-            time.sleep(0.5)
             if os.getppid() != ppid:
                 os._exit(1)
+            time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True, name="ckpt-parent-watch").start()
 
 
-_exit_with_parent()
+exit_with_parent()
 
 
 class _HashingStream(io.RawIOBase):

@@ -34,7 +34,7 @@ class SaveError(RuntimeError):
 
     def __init__(self, step: int, cause: BaseException) -> None:
         super().__init__(f"checkpoint save at step {step} failed: {describe(cause)}")
-        self.step = step
+        self.step, self.cause = step, cause
         self.__cause__ = cause
 
 

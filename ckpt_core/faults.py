@@ -10,7 +10,8 @@ in DCP's background process:
 * ``fail_after_bytes``: writing more than N bytes (per save) raises
   ``OSError(ENOSPC)`` (disk full; permanent, not retried);
 * ``delay_per_file_s``: sleep before every file opened for writing (a slow store);
-* ``delay_per_rm_s``: sleep before every file deletion (a slow delete).
+* ``delay_per_rm_s``: sleep before every file deletion (a slow delete);
+* ``delay_per_read_s``: sleep before every file opened or fetched for reading (a slow read).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.fail_after_bytes = cfg.get("fail_after_bytes")
         self.delay_per_file_s = float(cfg.get("delay_per_file_s", 0.0))
         self.delay_per_rm_s = float(cfg.get("delay_per_rm_s", 0.0))
+        self.delay_per_read_s = float(cfg.get("delay_per_read_s", 0.0))
         self.bytes_written = 0
         self.writes_failed = 0
 
@@ -83,6 +85,8 @@ class FaultyFileSystem(AbstractFileSystem):
                 time.sleep(self.delay_per_file_s)
             self.target.makedirs(os.path.dirname(path), exist_ok=True)
             return _FaultyFile(self.target.open(path, mode, **kwargs), self)
+        if self.delay_per_read_s:
+            time.sleep(self.delay_per_read_s)
         return self.target.open(path, mode, **kwargs)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
@@ -120,6 +124,8 @@ class FaultyFileSystem(AbstractFileSystem):
         return self.target.exists(self._strip_protocol(path))
 
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        if self.delay_per_read_s:
+            time.sleep(self.delay_per_read_s)
         return self.target.cat_file(self._strip_protocol(path), start=start, end=end)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -30,11 +31,15 @@ from . import background
 from .collectives import (RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group,
                           first_problem, rank0_decides)
 from .config import CheckpointSettings, resolve_entry_point
+from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
-from .errors import RestoreError, SaveError, StaleCheckpointError
+from . import lease_holder
+from .errors import RestoreError, SaveError, StaleCheckpointError, describe
+from .lease import LeaseError, LeaseHeldError, LeaseLostError, job_run_id
 from .manifest import ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
+from .rank_loss import FailFast, is_collective_failure, rank_lost
 from .records import CheckpointInfo
 from .restorer import Restorer
 from .resume_check import LOSSES_NAME, ResumeCheck, recorded_losses
@@ -74,6 +79,8 @@ def _flush_at_exit() -> None:
             log.warning("ckpt_core: saves still writing %.0fs after exit stay uncommitted", EXIT_FLUSH_TIMEOUT_S)
     except KeyboardInterrupt:
         log.warning("ckpt_core: interrupted at exit; saves still writing stay uncommitted")
+    finally:
+        lease_holder.release_all()
 
 
 class CheckpointManager:
@@ -101,7 +108,7 @@ class CheckpointManager:
             ensure_process_group()
         on = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-        self._pg, ctl_pg = checkpoint_groups(s.async_mode)
+        self._pg, ctl_pg = checkpoint_groups(s.async_mode, s.collective_timeout_s)
         self._group: RankGroup = TorchRankGroup(self._pg, enabled=self._pg is not None)
         self._ctl: RankGroup = TorchRankGroup(ctl_pg, enabled=self._pg is not None)
         self.schedule = SaveSchedule(
@@ -135,6 +142,10 @@ class CheckpointManager:
         self.last_save_stats: Optional[SaveStats] = None
         self.save_history: list[SaveStats] = []
         self._run_id: str = self._group.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+        self._lease: Optional[lease_holder.RootLease] = None
+        self._lease_finalizer: Optional[weakref.finalize] = None
+        if _saves(s):  # a run that saves by itself takes the root's lease at start: a second job is refused now
+            self._guard_lease()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
@@ -145,6 +156,10 @@ class CheckpointManager:
         until it is durable and raises ``Preempted`` (a ``SystemExit`` with
         ``preemption_exit_code``).
         """
+        with FailFast("save", step, self.settings.collective_timeout_s):
+            return self._maybe_save(step, state, metrics)
+
+    def _maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         self._poll(block=False)
         signum = any_signal(self._ctl, self._preempt.signum) if self._preempt is not None else None
         due = self.schedule.should_save(step, time.monotonic() - self._last_save_time)
@@ -180,8 +195,9 @@ class CheckpointManager:
         self._check_open()
         if name is not None and (not name or name in (".", "..") or any(c in name for c in "/\\\0")):
             raise ValueError(f"checkpoint directory name {name!r} must be a single path component")
-        self._poll(block=False)
-        return self._save(SaveContext(step, requested=True), state, metrics, name)
+        with FailFast("save", step, self.settings.collective_timeout_s):
+            self._poll(block=False)
+            return self._save(SaveContext(step, requested=True), state, metrics, name)
 
     def _save(self, ctx: SaveContext, state: TrainState, metrics: Optional[dict[str, float]],
               name: Optional[str] = None) -> bool:
@@ -219,6 +235,11 @@ class CheckpointManager:
         return self._start(step, state, metrics, name or step_dirname(step))
 
     def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]], dirname: str) -> bool:
+        try:
+            self._guard_lease(step)
+        except SaveError as e:
+            self._save_failed(e)
+            return False
         fields = {
             "checkpoint_id": new_checkpoint_id(self._run_id, step), "step": step, "epoch": state.epoch,
             "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
@@ -281,6 +302,8 @@ class CheckpointManager:
         self._last_commit_time = time.monotonic()
 
     def _save_failed(self, err: SaveError) -> None:
+        if is_collective_failure(err):  # a rank is gone: neither a retry nor on_save_error="warn" can help
+            raise rank_lost("save", err.step, err, self.settings.collective_timeout_s) from err
         self._failed_saves += 1
         self._last_error = err
         self._report(SaveStats(step=err.step, blocking_s=0.0, failed=True, age_s=self.checkpoint_age_s,
@@ -323,8 +346,57 @@ class CheckpointManager:
         log.warning("ckpt_core: checkpoint saves keep failing (now at step %d) and the newest committed checkpoint is "
                     "%s; training goes on unprotected (on_stale_checkpoint='warn')", step, reason)
 
+    # ------------------------------------------------------------------ lease
+    def _guard_lease(self, step: Optional[int] = None) -> None:
+        """Hold the root's lease (taken at the first call) and check it is still ours; collective.
+
+        Rank 0 takes and refreshes the lease (``lease_holder``); every rank raises
+        rank 0's ``LeaseHeldError``/``LeaseLostError``, so that the whole job stops.
+        A storage that cannot be written fails the save of ``step`` (``SaveError``).
+        """
+        if not self.settings.lease:
+            return
+        problem = self._lease_problem() if self.rank == 0 else None
+        agreed = first_problem(self._ctl, problem)
+        if agreed is None:
+            return
+        kind, msg = agreed
+        if kind != "storage":
+            raise {"held": LeaseHeldError, "lost": LeaseLostError}[kind](msg)
+        if step is not None:  # the storage failed: the save fails, as on_save_error says
+            raise SaveError(step, LeaseError(msg))
+        if self.settings.on_save_error == "raise":
+            raise LeaseError(msg + "; the root must be writable (on_save_error='warn' goes on and retries at the "
+                                   "first save)")
+        log.warning("ckpt_core: %s; retried at the first save (on_save_error='warn')", msg)
+
+    def _lease_problem(self) -> Optional[tuple[str, str]]:
+        try:
+            if self._lease is None:
+                run_id, source = job_run_id(self.settings.run_id, os.environ)
+                s = self.settings
+                self._lease = with_retries(
+                    partial(lease_holder.hold, *get_fs(self.root, **s.storage_options), self.root, run_id, source,
+                            s.lease_ttl_s),  # a file system opened now (as each save's writer's is), for every try
+                    f"taking the lease on {self.root}", s.write_retries, s.retry_backoff_s)
+                self._lease_finalizer = weakref.finalize(self, lease_holder.release, self._lease)
+                self._lease_finalizer.atexit = False  # at exit, released after the last saves (_flush_at_exit)
+            self._lease.check()
+        except LeaseHeldError as e:
+            return "held", str(e)
+        except LeaseLostError as e:
+            return "lost", str(e)
+        except Exception as e:  # noqa: BLE001 - the storage failed: as a failed save would
+            return "storage", f"could not take the lease on checkpoint root {self.root}: {describe(e)}"
+        return None
+
     def _retain(self, stats: SaveStats) -> None:
         """On the retainer's thread: delete what the policy lets go (never this save, the resumed or in flight)."""
+        if self._lease is not None and self._lease.lost is not None:
+            log.warning("ckpt_core: retention skipped: %s", self._lease.lost)
+            self._report(stats)
+            return
+
         def protected() -> set[int]:
             inflight = self._saver.inflight
             return ({self.resumed_from} if self.resumed_from is not None else set()) | (
@@ -363,7 +435,9 @@ class CheckpointManager:
     # -------------------------------------------------------------- lifecycle
     def wait(self) -> None:
         """Block until the in-flight save is committed and retention has run."""
-        self._poll(block=True)
+        inflight = self._saver.inflight
+        with FailFast("save", inflight.step if inflight is not None else None, self.settings.collective_timeout_s):
+            self._poll(block=True)
         self._retainer.wait()
 
     def close(self) -> None:
@@ -378,6 +452,8 @@ class CheckpointManager:
                 self._preempt.uninstall()
             self._saver.close()
             self._retainer.shutdown()
+            if self._lease_finalizer is not None:
+                self._lease_finalizer()  # releases this manager's use of the lease, once
             _LIVE.discard(self)
             self._release_groups()
 
@@ -434,6 +510,11 @@ class CheckpointManager:
         the weights for evaluation: only the model's fingerprint must match.
         """
         self._check_open()
+        with FailFast("restore", lambda: self._restorer.loading, self.settings.collective_timeout_s):
+            return self._restore(state, step, path, set_aside_newer, weights_only)
+
+    def _restore(self, state: TrainState, step: Optional[int], path: Optional[str], set_aside_newer: bool,
+                 weights_only: bool) -> Optional[CheckpointInfo]:
         rec, committed = self._restorer.restore(state, step, path, weights_only)
         self._committed |= committed
         if rec is None:
@@ -446,6 +527,7 @@ class CheckpointManager:
             same = rec.world_size == self.world_size
             self._resume_check.resumed(recorded_losses(rec.path, self.settings.storage_options) if same else {})
         if set_aside_newer and (step is not None or path is not None) and self._restorer.owns(rec):
+            self._guard_lease()  # a rollback moves checkpoints: it writes the root
             self._restorer.set_aside_newer(rec.step)
             self._committed = {c for c in self._committed if c <= rec.step}
         return rec

@@ -25,6 +25,7 @@ from .dcp_io import SafeLoadPlanner, make_reader
 from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
 from .errors import RestoreError, describe, is_fatal
 from .manifest import Manifest, ManifestError
+from .rank_loss import is_collective_failure
 from .records import CheckpointInfo
 from .state import RANK_KEY, StateMismatchError, TrainState
 from .storage import MANIFEST_NAME, get_fs, join
@@ -44,6 +45,7 @@ class Restorer:
         self.fs, self.root_path = get_fs(root, **settings.storage_options)
         self.timings: dict[str, float] = {}
         self.fallbacks = 0  # checkpoints skipped at the last restore (rank 0 also counts those passed over unread)
+        self.loading: Optional[int] = None  # the step of the checkpoint being read (error messages)
         self._weights_only = False
         self._signing_key = signing.settings_key(settings)
 
@@ -65,6 +67,7 @@ class Restorer:
         if explicit and not candidates:
             raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
         for rec in candidates:
+            self.loading = rec.step
             problem = self._group.broadcast(self._problem(rec) if self._group.rank == 0 else None)
             self.timings["discover"] = time.monotonic() - t0
             if problem is None:
@@ -169,7 +172,7 @@ class Restorer:
         except StateMismatchError as e:
             problem = ("mismatch", str(e))
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException: fall back on it too
-            if is_fatal(e):
+            if is_fatal(e) or is_collective_failure(e):  # a lost rank: no older checkpoint would load either
                 raise
             problem = ("unloadable", f"{describe(e)}")
         agreed = first_problem(self._group, problem)
@@ -186,7 +189,7 @@ class Restorer:
         try:
             dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
         except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
-            if is_fatal(e):
+            if is_fatal(e) or is_collective_failure(e):
                 raise
             raise Unloadable(f"loading failed: {describe(e)}") from e
         t1 = time.monotonic()

@@ -206,7 +206,8 @@ class Saver:
             assert self.stager is not None
             staged = self.stager.stage(_plain_state_dict(state.state_dict()))
             if mode == "process":
-                init = background.PROCESS.init_info(self._pg, self._control)  # collective when ranks > 1
+                init = background.PROCESS.init_info(self._pg, self._control,  # collective when ranks > 1
+                                                     self.settings.collective_timeout_s)
                 return background.PROCESS.submit(staged, writer, planner, init)
             return background.run_on_thread(dcp.save, staged, storage_writer=writer, planner=planner,
                                             process_group=self._pg)

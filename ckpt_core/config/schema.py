@@ -117,6 +117,18 @@ class CheckpointSettings:
     signing_key_file: Optional[str] = _spec(None, "a file holding the signing key (instead of signing_key).",
                                             lambda v: v is None or (isinstance(v, str) and bool(v)),
                                             "a path or None")
+    collective_timeout_s: float = _clamp(
+        300.0, "bound on every collective of a save or restore (and of the background writer's process group): "
+               "a rank that dies or hangs makes the others fail within this time, naming it (RankLostError).")
+    lease: bool = _flag(True, "take a lease on the root while saving, so that no other job writes or prunes it "
+                              "at the same time (a second job is refused, naming the holder).")
+    lease_ttl_s: float = _clamp(120.0, "a lease not refreshed for this many seconds (its job crashed) is taken over "
+                                       "with a warning; refreshed every lease_ttl_s / 4.")
+    run_id: Optional[str] = _spec(None, "the job's id for the lease: the same id is the same job (a restart), never "
+                                        "refused. Default: TORCHELASTIC_RUN_ID, then SLURM_JOB_ID, then the torchrun "
+                                        "agent, else one per process.",
+                                  lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 200),
+                                  "a non-empty string of at most 200 characters or None")
     max_host_memory_bytes: Optional[int] = _pos_int(
         None, "bound on staging memory; larger states save synchronously.")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
