@@ -1,8 +1,10 @@
 """One root, one job: the lease a saving run holds on its checkpoint root.
 
-The lease is a small JSON file under ``<root>/.lease/``, one file per
-*generation* (``000000000001.json``, ...); the highest generation is the
-lease. Taking a lease creates the next generation with a conditional create
+The lease is a small hidden JSON file in the root, one file per
+*generation* (``.ckpt-lease.000000000001.json``, ...); the highest generation
+is the lease. A file, not a directory: scripts that list a root's directories
+(Accelerate's examples take the newest one) see only checkpoints. A clean end
+deletes it, so nothing is left behind. Taking a lease creates the next generation with a conditional create
 (``If-None-Match: *`` on S3, an atomic hard link on local disk): two jobs
 racing for one root cannot both create the same generation, so exactly one
 wins, on storage that has no atomic rename and no lock. The holder rewrites
@@ -43,7 +45,7 @@ from .strict_json import Fields, loads_object
 
 log = logging.getLogger("ckpt_core")
 
-LEASE_DIR = ".lease"
+LEASE_PREFIX = ".ckpt-lease."
 FORMAT = "ckpt-lease"
 _PROCESS_TOKEN = uuid.uuid4().hex
 """This process's identity in a lease (a PID alone can be reused)."""
@@ -106,12 +108,16 @@ def parse(data: bytes, generation: int) -> LeaseRecord:
 
 
 def generation_name(generation: int) -> str:
-    return f"{generation:012d}.json"
+    return f"{LEASE_PREFIX}{generation:012d}.json"
 
 
 def parse_generation(name: str) -> Optional[int]:
-    stem, dot, ext = name.rpartition("/")[2].partition(".")
-    return int(stem) if ext == "json" and len(stem) == 12 and stem.isascii() and stem.isdigit() else None
+    """The generation of a lease file name (``.ckpt-lease.<12 digits>.json``), else None."""
+    base = name.rpartition("/")[2]
+    if not (base.startswith(LEASE_PREFIX) and base.endswith(".json")):
+        return None
+    stem = base[len(LEASE_PREFIX):-len(".json")]
+    return int(stem) if len(stem) == 12 and stem.isascii() and stem.isdigit() else None
 
 
 # ----------------------------------------------------------------- identity
@@ -134,7 +140,10 @@ def this_machine() -> str:
     """Host name, boot id and PID namespace: two processes with equal values see the same PIDs."""
     def read(path: str, link: bool = False) -> str:
         try:
-            return os.readlink(path) if link else open(path).read().strip()
+            if link:
+                return os.readlink(path)
+            with open(path) as f:
+                return f.read().strip()
         except OSError:
             return "?"
     return f"{socket.gethostname()}|{read('/proc/sys/kernel/random/boot_id')}|{read('/proc/self/ns/pid', True)}"
@@ -216,10 +225,10 @@ def lease_state(rec: LeaseRecord, now: float, alive: Optional[bool]) -> str:
 
 # ------------------------------------------------------------------ storage
 class LeaseFiles:
-    """The generations under ``<root>/.lease/`` on one file system."""
+    """The lease generations in one root on one file system."""
 
     def __init__(self, fs: Any, root_path: str) -> None:
-        self.fs, self.dir = fs, join(root_path, LEASE_DIR)
+        self.fs, self.dir = fs, root_path.rstrip("/") or "/"
 
     def current(self) -> tuple[Optional[LeaseRecord], int, Optional[str]]:
         """``(lease, highest generation, problem)``: the highest generation's record (None if absent or bad)."""
@@ -250,6 +259,9 @@ class LeaseFiles:
 
     def overwrite(self, rec: LeaseRecord) -> None:
         write_bytes_durable(self.fs, join(self.dir, generation_name(rec.generation)), render(rec))
+
+    def delete(self, generation: int) -> None:
+        self.fs.rm_file(join(self.dir, generation_name(generation)))
 
     def delete_below(self, generation: int) -> None:
         """Remove generations older than ``generation`` (best effort: they decide nothing)."""

@@ -2,8 +2,9 @@
 
 One ``RootLease`` per root per process, shared by every manager of the
 process on that root (``hold`` counts them); the last ``release`` ends the
-refresh thread and marks the lease released, so that the next job takes it
-at once instead of waiting for it to expire.
+refresh thread and deletes the lease file, so that the next job takes the
+root at once instead of waiting for the lease to expire, and a clean run
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class RootLease:
         self.record = rec
 
     def release(self) -> None:
-        """Stop refreshing; mark the lease released if it is still ours (a clean end: the next job takes it)."""
+        """Stop refreshing; delete the lease if it is still ours (a clean end: the next job takes the root at once)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
@@ -95,7 +96,7 @@ class RootLease:
         try:
             current, top, _ = self.files.current()
             if top == self.record.generation and current is not None and current.holder == self.record.holder:
-                self.files.overwrite(replace(self.record, refreshed=self._clock(), released=True))
+                self.files.delete(self.record.generation)
         except Exception as e:  # noqa: BLE001 - an unreleased lease only delays the next job until it expires
             log.warning("ckpt_core: could not release the lease on %s: %s", self.root, e)
 

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,3 +111,42 @@ def test_bit_exact_resume_on_s3_with_background_process(s3_server, tmp_path, cor
     assert sorted(int(s) for s in got["losses"]) == list(range(got["resumed_from"] + 1, 41))
     assert all(got["losses"][s] == ref["losses"][s] for s in got["losses"])
     assert all(torch.equal(ref_state["model"][k], state["model"][k]) for k in ref_state["model"])
+
+
+def test_the_lease_on_s3_uses_a_conditional_create(s3_server):
+    """Two jobs racing for one generation on a real S3-protocol server: If-None-Match lets exactly one create it;
+    a second manager with another run id is then refused, naming the holder."""
+    import threading
+
+    from ckpt_core import LeaseHeldError
+    from ckpt_core import lease as L
+
+    fs = s3fs.S3FileSystem(**s3_server)
+    files = L.LeaseFiles(fs, "ckpts/lease-race")
+    won: dict[int, bool] = {}
+    barrier = threading.Barrier(4)
+
+    def take(i: int) -> None:
+        rec = L.LeaseRecord(run_id=f"job-{i}", holder=f"{i:032d}", host="h", machine="h|b|p", pid=1, pid_start=0,
+                            started=time.time(), refreshed=time.time(), ttl_s=120.0, generation=1)
+        barrier.wait()
+        won[i] = L.LeaseFiles(s3fs.S3FileSystem(**s3_server, skip_instance_cache=True), "ckpts/lease-race").create(rec)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, ok in won.items() if ok]
+    current, top, _ = files.current()
+    assert len(won) == 4 and len(winners) == 1 and top == 1 and current.run_id == f"job-{winners[0]}"
+    root = "s3://ckpts/leased"
+    with CheckpointManager(root, async_mode="off", every_n_steps=1, run_id="job-a", storage_options=s3_server,
+                           handle_preemption=False, env={}, argv=[]) as m:
+        assert m.save(1, TrainState(model=nn.Linear(2, 2), rng=False))
+    files = L.LeaseFiles(fs, "ckpts/leased")
+    assert files.current() == (None, 0, None)  # released at close: deleted
+    assert files.create(replace(current, run_id="job-a", refreshed=time.time(), machine="elsewhere|boot|pid:[1]"))
+    with pytest.raises(LeaseHeldError, match="in use by another job: run 'job-a'"):  # job A, live on another machine
+        CheckpointManager(root, async_mode="off", every_n_steps=1, run_id="job-b", storage_options=s3_server,
+                          handle_preemption=False, env={}, argv=[])
