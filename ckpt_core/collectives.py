@@ -47,6 +47,8 @@ class RankGroup(Protocol):
 
     def all_gather(self, obj: Any) -> list: ...
 
+    def start_all_max(self, values: list[int]) -> Callable[[], list[int]]: ...
+
 
 class TorchRankGroup:
     """``RankGroup`` over a ``torch.distributed`` group; one rank (no group) answers locally."""
@@ -57,6 +59,8 @@ class TorchRankGroup:
         self.rank = dist.get_rank() if on else 0
         self.world_size = dist.get_world_size(group) if on else 1
         self._on = on and self.world_size > 1
+        self._bufs: dict[tuple[bool, int], torch.Tensor] = {}  # start_all_max's buffers
+        self._flip = False
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self._on:
@@ -85,6 +89,22 @@ class TorchRankGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def start_all_max(self, values: list[int]) -> Callable[[], list[int]]:
+        """Start the element-wise max of ``values`` over ranks without waiting; call the result to read it."""
+        if not self._on:
+            return lambda: list(values)
+        self._flip = not self._flip  # two buffers: the previous one may still be in flight
+        t = self._bufs.get((self._flip, len(values)))
+        if t is None:
+            t = self._bufs[(self._flip, len(values))] = torch.zeros(len(values), dtype=torch.int64)
+        t.numpy()[:] = values  # no torch op on the training thread
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def result() -> list[int]:
+            work.wait()
+            return t.numpy().tolist()
+        return result
+
 
 # ------------------------------------------------------------------ decisions
 def all_done(group: RankGroup, done: bool) -> bool:
@@ -100,6 +120,31 @@ def rank0_decides(group: RankGroup, decision: bool) -> bool:
 def any_signal(group: RankGroup, signum: Optional[int]) -> Optional[int]:
     """A signal number if any rank received one (the highest), else None."""
     return group.all_max(signum or 0) or None
+
+
+class StepFlags:
+    """Flags every rank must see alike (a preemption signal, rank 0's clock), exchanged without a wait.
+
+    ``exchange`` starts an element-wise max over ranks of this step's flags and
+    returns the previous step's result: the all-reduce runs while the step
+    computes, so a step where nothing is due never blocks on a collective (it
+    waits only for a rank more than a step behind). Every rank reads the same
+    result at the same step, one step after the flags were raised.
+    """
+
+    def __init__(self, group: RankGroup) -> None:
+        self._group = group
+        self._pending: Optional[Callable[[], list[int]]] = None
+
+    def exchange(self, values: list[int]) -> Optional[list[int]]:
+        previous = self.drain()
+        self._pending = self._group.start_all_max(values)
+        return previous
+
+    def drain(self) -> Optional[list[int]]:
+        """The result of the exchange still in flight (None if there is none); the group is idle afterwards."""
+        pending, self._pending = self._pending, None
+        return pending() if pending is not None else None
 
 
 def first_problem(group: RankGroup, problem: Optional[tuple[str, str]]) -> Optional[tuple[str, str]]:
@@ -160,6 +205,11 @@ class FakeRankGroup:
 
     def all_gather(self, obj: Any) -> list:
         return list(self._collective("all_gather", obj))
+
+    def start_all_max(self, values: list[int]) -> Callable[[], list[int]]:
+        rows = self._collective("start_all_max", list(values))
+        out = [max(col) for col in zip(*rows)]
+        return lambda: out
 
     def _collective(self, op: str, value: Any) -> list:
         hub, call = self._hub, _Call(self.rank, op, self.name, _site(), value)

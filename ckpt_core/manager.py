@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from . import background
-from .collectives import (RankGroup, TorchRankGroup, any_signal, checkpoint_groups, ensure_process_group,
-                          first_problem, rank0_decides)
+from .collectives import (RankGroup, StepFlags, TorchRankGroup, checkpoint_groups, ensure_process_group,
+                          first_problem)
 from .config import CheckpointSettings, resolve_entry_point
 from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
@@ -126,6 +126,8 @@ class CheckpointManager:
         self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps,
                                          partial(_write_losses, self._retainer, self.fs, self._root_path))
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
+        self._flags = StepFlags(self._ctl)  # maybe_save's preemption flag and clock, one step behind
+        self._exchanges = self.world_size > 1 and (self._preempt is not None or self.schedule.needs_time_sync)
         self._metrics_callbacks = list(metrics_callbacks)
         self._committed: set[int] = set()
         self._inflight_dirname = ""  # the directory of the save in flight (one at a time)
@@ -161,17 +163,26 @@ class CheckpointManager:
 
     def _maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         self._poll(block=False)
-        signum = any_signal(self._ctl, self._preempt.signum) if self._preempt is not None else None
-        due = self.schedule.should_save(step, time.monotonic() - self._last_save_time)
-        if self.schedule.needs_time_sync:
-            due = rank0_decides(self._ctl, due)
+        local = self._preempt.signum if self._preempt is not None else None
+        if self._exchanges:  # raised on the previous step, by any rank; rank 0's clock
+            agreed = self._flags.drain()
+            signum, time_due = (agreed[0] or None, bool(agreed[1])) if agreed is not None else (None, False)
+        else:
+            signum, time_due = local, self._time_due()
+        due = self.schedule.step_due(step) or time_due
         if signum is not None:
             log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
         saved = self._save(SaveContext(step, due=due, preempted=signum is not None), state, metrics)
         if signum is not None:
             self.wait()
             raise Preempted(step, signum, self.settings.preemption_exit_code)
+        if self._exchanges:  # this step's flags, read at the next: a signal and rank 0's clock, after this save
+            local = self._preempt.signum if self._preempt is not None else None
+            self._flags.exchange([local or 0, int(self.rank == 0 and self._time_due())])
         return saved
+
+    def _time_due(self) -> bool:
+        return self.schedule.needs_time_sync and self.schedule.time_due(time.monotonic() - self._last_save_time)
 
     def poll(self) -> None:
         """Collect a background save that has finished, without blocking; not a collective.
@@ -445,6 +456,8 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            with FailFast("save", None, self.settings.collective_timeout_s):
+                self._flags.drain()  # every rank issued it at its last maybe_save
             self.wait()
         finally:
             self._closed = True
@@ -460,6 +473,7 @@ class CheckpointManager:
     def _release_groups(self) -> None:
         """Drop this manager's process groups (destroy_process_group frees them from Python, without the GIL)."""
         self._pg = None
+        self._exchanges = False
         self._group = self._ctl = TorchRankGroup(None, enabled=False)
         self._saver = Saver(self.settings.replace(async_mode="off"), None, self._ctl)
         self._restorer = Restorer(self.root, self.settings, self._group, None)

@@ -218,9 +218,15 @@ class SaveSchedule:
         ``elapsed_s`` is seconds since the last save (or start), as agreed
         across ranks; never pass a rank-local clock reading.
         """
+        return self.step_due(step) or self.time_due(elapsed_s)
+
+    def step_due(self, step: int) -> bool:
+        """The step trigger alone: the same on every rank, no clock involved."""
+        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
+
+    def time_due(self, elapsed_s: float) -> bool:
+        """The time triggers alone (``every_seconds``, ``auto``): one rank's clock must decide for all."""
         _non_negative(elapsed_s, "elapsed_s")
-        if self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0:
-            return True
         if self.every_seconds is not None and elapsed_s >= self.every_seconds:
             return True
         interval = self.interval_s if self.auto else None

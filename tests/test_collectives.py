@@ -93,3 +93,21 @@ def test_one_process_answers_locally():
     assert (g.rank, g.world_size) == (0, 1)
     assert all_done(g, False) is False and rank0_decides(g, True) is True
     assert first_problem(g, ("k", "m")) == ("k", "m") and any_signal(g, 10) == 10
+
+
+def test_step_flags_are_read_one_step_later_alike_on_every_rank():
+    """A flag raised by rank 3 alone at step 2 (a preemption notice reaching one node) is seen by all 4 ranks at
+    step 3, and rank 0's clock decides for everyone; the exchange of a step is read at the next."""
+    from ckpt_core.collectives import StepFlags
+
+    def loop(g):
+        flags, seen = StepFlags(g), []
+        for step in range(1, 6):
+            agreed = flags.exchange([15 if (g.rank == 3 and step == 2) else 0, int(g.rank == 0 and step == 4)])
+            seen.append((step, agreed))
+        seen.append(("drain", flags.drain()))
+        return seen
+
+    got = run_ranks(4, loop)
+    assert got[0] == got[1] == got[2] == got[3]
+    assert got[0] == [(1, None), (2, [0, 0]), (3, [15, 0]), (4, [0, 0]), (5, [0, 1]), ("drain", [0, 0])]
