@@ -112,16 +112,6 @@ def all_done(group: RankGroup, done: bool) -> bool:
     return bool(group.all_min(int(done)))
 
 
-def rank0_decides(group: RankGroup, decision: bool) -> bool:
-    """Rank 0's ``decision`` on every rank (time-based schedules: one clock decides)."""
-    return bool(group.broadcast(bool(decision), src=0))
-
-
-def any_signal(group: RankGroup, signum: Optional[int]) -> Optional[int]:
-    """A signal number if any rank received one (the highest), else None."""
-    return group.all_max(signum or 0) or None
-
-
 class StepFlags:
     """Flags every rank must see alike (a preemption signal, rank 0's clock), exchanged without a wait.
 

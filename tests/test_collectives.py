@@ -11,9 +11,7 @@ from ckpt_core.collectives import (
     CollectiveTimeout,
     TorchRankGroup,
     all_done,
-    any_signal,
     first_problem,
-    rank0_decides,
     run_ranks,
 )
 
@@ -29,13 +27,6 @@ def test_first_problem_is_the_lowest_rank_s_on_every_rank():
 def test_done_everywhere_only_when_done_on_every_rank():
     assert run_ranks(4, lambda g: all_done(g, g.rank != 2)) == [False] * 4
     assert run_ranks(4, lambda g: all_done(g, True)) == [True] * 4
-
-
-def test_rank0_clock_decides_and_any_signal_reaches_every_rank():
-    assert run_ranks(4, lambda g: rank0_decides(g, g.rank == 0)) == [True] * 4
-    assert run_ranks(4, lambda g: rank0_decides(g, g.rank != 0)) == [False] * 4
-    assert run_ranks(4, lambda g: any_signal(g, 15 if g.rank == 3 else None)) == [15] * 4
-    assert run_ranks(4, lambda g: any_signal(g, None)) == [None] * 4
 
 
 def test_a_rank_local_test_in_front_of_an_agreement_is_caught():
@@ -91,8 +82,8 @@ def test_a_collective_that_never_completes_times_out_naming_the_waiters():
 def test_one_process_answers_locally():
     g = TorchRankGroup(enabled=False)
     assert (g.rank, g.world_size) == (0, 1)
-    assert all_done(g, False) is False and rank0_decides(g, True) is True
-    assert first_problem(g, ("k", "m")) == ("k", "m") and any_signal(g, 10) == 10
+    assert all_done(g, False) is False and g.start_all_max([3, 0])() == [3, 0]
+    assert first_problem(g, ("k", "m")) == ("k", "m")
 
 
 def test_step_flags_are_read_one_step_later_alike_on_every_rank():
