@@ -34,11 +34,10 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from .storage import is_local, join, list_dir, write_bytes_durable
 from .strict_json import Fields, loads_object

@@ -163,12 +163,11 @@ class CheckpointManager:
 
     def _maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         self._poll(block=False)
-        local = self._preempt.signum if self._preempt is not None else None
         if self._exchanges:  # raised on the previous step, by any rank; rank 0's clock
             agreed = self._flags.drain()
             signum, time_due = (agreed[0] or None, bool(agreed[1])) if agreed is not None else (None, False)
         else:
-            signum, time_due = local, self._time_due()
+            signum, time_due = self._local_signal(), self._time_due()
         due = self.schedule.step_due(step) or time_due
         if signum is not None:
             log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
@@ -177,9 +176,11 @@ class CheckpointManager:
             self.wait()
             raise Preempted(step, signum, self.settings.preemption_exit_code)
         if self._exchanges:  # this step's flags, read at the next: a signal and rank 0's clock, after this save
-            local = self._preempt.signum if self._preempt is not None else None
-            self._flags.exchange([local or 0, int(self.rank == 0 and self._time_due())])
+            self._flags.exchange([self._local_signal() or 0, int(self.rank == 0 and self._time_due())])
         return saved
+
+    def _local_signal(self) -> Optional[int]:
+        return self._preempt.signum if self._preempt is not None else None
 
     def _time_due(self) -> bool:
         return self.schedule.needs_time_sync and self.schedule.time_due(time.monotonic() - self._last_save_time)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
+from .coordination import _default_store
 from .errors import describe, is_fatal
 
 log = logging.getLogger("ckpt_core")
@@ -115,13 +116,6 @@ def _quietly(fn: Any) -> None:
         fn()
     except Exception as e:  # noqa: BLE001 - a store that fails means: the ranks cannot be named
         log.debug("ckpt_core: roll call failed: %s", e)
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: the ranks cannot be named
-        return None
 
 
 def rank_lost(stage: str, step: Optional[int], cause: BaseException, timeout_s: float) -> RankLostError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -195,7 +194,7 @@ def test_ckpt_ls_names_the_holder_and_prune_spares_uncommitted_directories_under
     m.wait()  # retention of the job itself has run
     (root / "step_000000002" / "manifest.json").unlink()  # as a save still writing would look
     code, out, _ = run_cli(capsys, "ls", str(root))
-    assert code == 0 and f"lease: live, run 'process:" in out and f"pid {os.getpid()}" in out
+    assert code == 0 and "lease: live, run 'process:" in out and f"pid {os.getpid()}" in out
     code, out, _ = run_cli(capsys, "prune", str(root), "--keep-last", "1")
     assert code == 0 and "deleting step 1 " in out and "deleting step 2 " not in out
     assert (root / "step_000000002").exists() and not (root / "step_000000001").exists()
