@@ -63,6 +63,8 @@ class CheckpointPlugin:
         rebuild_dataloaders: rebuild shuffled map-style training loaders on
             ``ResumableDistributedSampler`` when they are prepared (default True).
         log_metrics: send the core's save metrics to ``accelerator.log`` when trackers are configured.
+        log_every_n_steps: steps between two reports of the alert metrics (``ckpt/age_s``,
+            ``ckpt/failed_saves``, ``ckpt/fallbacks``) through ``plugin.step()`` (0: only with saves).
         async_save_state: let ``accelerator.save_state()`` return once the state is staged, as
             ``plugin.step()`` saves do, instead of once the checkpoint is committed on every rank.
         **kwargs: any ``CheckpointSettings`` field (``every_n_steps``, ``keep_last``, ...).
@@ -79,6 +81,7 @@ class CheckpointPlugin:
         argv: Optional[Sequence[str]] = None,
         rebuild_dataloaders: bool = True,
         log_metrics: bool = True,
+        log_every_n_steps: int = 50,
         async_save_state: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -88,6 +91,9 @@ class CheckpointPlugin:
         self.settings, self.sources = resolve_entry_point(code, settings, env=env, argv=argv)
         self.rebuild_dataloaders = rebuild_dataloaders
         self.log_metrics = log_metrics
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+            raise ValueError(f"log_every_n_steps must be a non-negative int, got {log_every_n_steps!r}")
+        self.log_every_n_steps = log_every_n_steps
         self.async_save_state = async_save_state
         self.accelerator: Any = None
         self.global_step = 0
@@ -171,7 +177,7 @@ class CheckpointPlugin:
                                  "save with plugin.step()/save() or load the newest checkpoint")
             self._manager = CheckpointManager(settings=self.settings, env={}, argv=[],
                                               metrics_callbacks=[_on_commit(self, "")])
-            self._driver = LoopDriver(self._manager, self._log_metrics)
+            self._driver = LoopDriver(self._manager, self._log_metrics, self.log_every_n_steps)
         return self._manager
 
     @property

@@ -3,7 +3,8 @@
 ``LoopDriver`` wraps a ``CheckpointManager`` for a loop that a framework
 drives: ``on_step`` records the loss (for the resume check) and saves when
 due; save metrics produced on the core's background thread reach the
-framework's loggers on the training thread (``drain``); ``restore`` takes the
+framework's loggers on the training thread (``drain``), and the alert
+metrics (``ckpt/age_s``...) every ``alerts_every_n_steps``; ``restore`` takes the
 newest valid checkpoint, one checkpoint directory (whatever its name), or
 another root. The
 helpers ``same_root`` and ``split_checkpoint_path`` are the one rule for
@@ -97,9 +98,12 @@ def _relay(pending: "queue.SimpleQueue[dict[str, float]]", stats: SaveStats) -> 
 class LoopDriver:
     """A manager driven by a framework's hooks: step, metrics on the training thread, restore from anywhere."""
 
-    def __init__(self, manager: CheckpointManager, sink: Optional[MetricsSink] = None) -> None:
+    def __init__(self, manager: CheckpointManager, sink: Optional[MetricsSink] = None,
+                 alerts_every_n_steps: int = 50) -> None:
         self.manager = manager
         self._sink = sink
+        self.alerts_every_n_steps = alerts_every_n_steps
+        """Steps between two reports of the alert metrics (``ckpt/age_s``...) to the sink; 0: only with saves."""
         self._pending: "queue.SimpleQueue[dict[str, float]]" = queue.SimpleQueue()
         self.relay = partial(_relay, self._pending)
         """Queues the metrics of a save for ``drain``: a manager's metrics callback (any thread)."""
@@ -123,6 +127,9 @@ class LoopDriver:
             manager.record_loss(step, loss_value(loss))
         saved = manager.maybe_save(step, state, metrics=dict(metrics) if metrics else None)
         self.drain()
+        every = self.alerts_every_n_steps
+        if self._sink is not None and every > 0 and step % every == 0:
+            self._sink(manager.alert_metrics())  # the age keeps growing between saves, and a stuck run shows it
         return saved
 
     def restore(self, state: TrainState, *, root: Optional[str] = None, step: Optional[int] = None,

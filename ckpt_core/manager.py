@@ -46,7 +46,7 @@ from .resume_check import LOSSES_NAME, ResumeCheck, recorded_losses
 from .retainer import Retainer
 from .retention import build_policy, mark_permanent
 from .roots import check_root
-from .saver import Saver, SaveStats
+from .saver import Saver, SaveStats, alert_metrics
 from .schedule import SaveSchedule
 from .state import TrainState
 from .storage import get_fs, join, remove_tree, step_dirname, write_bytes_durable
@@ -329,6 +329,10 @@ class CheckpointManager:
     def checkpoint_age_s(self) -> float:
         """Seconds since the newest checkpoint was committed (or restored, or, before either, the manager created)."""
         return time.monotonic() - self._last_commit_time
+
+    def alert_metrics(self) -> dict[str, float]:
+        """``ckpt/age_s``, ``ckpt/failed_saves`` and ``ckpt/fallbacks`` as of now (for a logger at any step)."""
+        return alert_metrics(self.checkpoint_age_s, self._failed_saves, self._restorer.fallbacks)
 
     @property
     def failed_saves(self) -> int:

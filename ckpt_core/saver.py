@@ -41,6 +41,12 @@ from .state import TrainState
 log = logging.getLogger("ckpt_core")
 
 
+def alert_metrics(age_s: Optional[float], failed_saves: int, fallbacks: int) -> dict[str, float]:
+    """The alert metrics: age of the newest committed checkpoint, failed saves in a row, restore fallbacks."""
+    return {"ckpt/failed_saves": float(failed_saves), "ckpt/fallbacks": float(fallbacks),
+            **({"ckpt/age_s": float(age_s)} if age_s is not None else {})}
+
+
 @dataclass
 class SaveStats:
     """Timing and size of one save, as reported to metric callbacks."""
@@ -64,8 +70,7 @@ class SaveStats:
         return self.bytes / self.write_s if self.write_s else None
 
     def as_metrics(self) -> dict[str, float]:
-        alerts = {"ckpt/failed_saves": float(self.failed_saves), "ckpt/fallbacks": float(self.fallbacks),
-                  **({"ckpt/age_s": self.age_s} if self.age_s is not None else {})}
+        alerts = alert_metrics(self.age_s, self.failed_saves, self.fallbacks)
         if self.failed:
             return {"ckpt/step": float(self.step), **alerts}
         out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes),

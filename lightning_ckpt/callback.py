@@ -212,7 +212,8 @@ class DistributedCheckpoint(Checkpoint):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-        self._driver = LoopDriver(self.manager, log_metrics if trainer.is_global_zero else None)
+        self._driver = LoopDriver(self.manager, log_metrics if trainer.is_global_zero else None,
+                                  alerts_every_n_steps=trainer.log_every_n_steps)  # Lightning's own cadence
         # Last of all callbacks: a save after validation holds what ModelCheckpoint, EarlyStopping and the
         # rest recorded in their own on_validation_end. A new list: Lightning is iterating the current one.
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]

@@ -420,6 +420,22 @@ def test_metrics_go_to_accelerator_log(tmp_path):
     assert all("ckpt/blocking_s" in v and "ckpt/write_s" in v for v, _ in ckpt)
 
 
+def test_the_checkpoint_age_is_logged_every_log_every_n_steps(tmp_path):
+    """``ckpt/age_s`` reaches the trackers between saves too (here every 2 steps, saves every 5), at the plugin's step."""
+    tracker = ListTracker()
+    plugin = plugin_for(tmp_path, every_n_steps=5, log_every_n_steps=2, async_mode="off")
+    acc, model, opt, dl, sched = fresh(plugin, log_with=[tracker])
+    acc.init_trackers("run")
+    train(acc, model, opt, sched, lambda: plugin.dataloader(dl), 6, plugin)
+    plugin.close()
+    alerts = [(v, s) for v, s in tracker.logged if "ckpt/age_s" in v and "ckpt/step" not in v]
+    assert [s for _, s in alerts] == [2, 4, 6]
+    assert alerts[2][0]["ckpt/age_s"] < alerts[1][0]["ckpt/age_s"]  # step 5's checkpoint committed in between
+    assert all(v["ckpt/failed_saves"] == 0.0 and v["ckpt/fallbacks"] == 0.0 for v, _ in alerts)
+    with pytest.raises(ValueError, match="log_every_n_steps must be a non-negative int"):
+        plugin_for(tmp_path, log_every_n_steps=-1)
+
+
 def test_attach_to_an_accelerator_built_elsewhere_after_prepare(tmp_path):
     """HF Trainer/TRL style: the Accelerator exists and prepared the loader before the plugin is attached."""
     def run(n):

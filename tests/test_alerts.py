@@ -75,9 +75,10 @@ def test_metrics_of_a_failed_and_a_committed_save():
 def _failing_manager(tmp_path, metrics: list, **kwargs) -> CheckpointManager:
     control = tmp_path / "faults.json"
     control.write_text(json.dumps({"fail_after_bytes": 10}))
+    kwargs.setdefault("every_n_steps", 2)
     return CheckpointManager(f"faulty://{tmp_path / 'run'}", storage_options={"control": str(control)},
-                             async_mode="off", handle_preemption=False, write_retries=0, every_n_steps=2,
-                             on_save_error="warn", metrics_callbacks=[metrics.append], env={}, argv=[], **kwargs)
+                             async_mode="off", handle_preemption=False, write_retries=0, on_save_error="warn",
+                             metrics_callbacks=[metrics.append], env={}, argv=[], **kwargs)
 
 
 def test_age_escalation_with_a_storage_that_always_fails(tmp_path, caplog):
@@ -167,3 +168,23 @@ def test_ls_max_age_exit_codes(tmp_path, capsys):
     assert body["stale"] is True and body["newest_valid"] == 10 and body["newest_valid_age_s"] > 0
     assert cli(["ls", root]) == 0
     assert cli(["ls", root, "--max-age", "soon"]) == 2
+
+
+def test_the_age_reaches_the_logger_between_saves_at_the_logging_cadence(tmp_path):
+    """Through the loop driver both adapters use: every 3rd step the logger gets the age as of that step, growing
+    while saves keep failing (a log line at step 3, 6, 9 even though no save is due then), and the failures in a row."""
+    from ckpt_core.loop import LoopDriver
+
+    logged: list[dict] = []
+    state = TrainState(model=tiny_model(), rng=False)
+    m = _failing_manager(tmp_path, [], every_n_steps=4)
+    driver = LoopDriver(m, logged.append, alerts_every_n_steps=3)
+    for step in range(1, 10):
+        driver.on_step(step, state)
+        time.sleep(0.01)
+    m.close()
+    alerts = [d for d in logged if "ckpt/step" not in d]
+    assert [d["ckpt/failed_saves"] for d in alerts] == [0.0, 1.0, 2.0]  # steps 3, 6, 9; saves failed at 4 and 8
+    ages = [d["ckpt/age_s"] for d in alerts]
+    assert ages == sorted(ages) and ages[0] >= 0.02 and ages[2] - ages[0] >= 0.06  # 10 ms a step
+    assert [d["ckpt/step"] for d in logged if "ckpt/step" in d] == [4.0, 8.0]  # the failed saves themselves

@@ -132,6 +132,24 @@ def test_save_on_exception_only_at_a_step_boundary(tmp_path, where, expected):
         assert cb2.resumed_from == 6 and t.global_step == 7
 
 
+def test_the_checkpoint_age_is_logged_at_lightnings_logging_cadence(tmp_path):
+    """``ckpt/age_s`` (and the failure counts) reach the Trainer's logger every ``log_every_n_steps``, between saves
+    too, at the step Lightning logs its own metrics."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = DistributedCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=5, async_mode="off")
+    t = trainer(tmp_path, callbacks=[cb], max_steps=6, log_every_n_steps=2,
+                logger=CSVLogger(str(tmp_path), name="logs"))
+    t.fit(lightning_train.Regressor())
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))
+    alerts = [r for r in rows if r.get("ckpt/age_s") and not r.get("ckpt/blocking_s")]
+    assert [int(r["step"]) for r in alerts] == [2, 4, 6]
+    assert float(alerts[2]["ckpt/age_s"]) < float(alerts[1]["ckpt/age_s"])  # step 5's checkpoint committed between
+    assert {r["ckpt/failed_saves"] for r in alerts} == {"0.0"}
+
+
 def test_default_dirpath_follows_model_checkpoint(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
