@@ -301,3 +301,24 @@ def checkpoint_groups(async_mode: str, timeout_s: float = 300.0) -> tuple[Any, A
     timeout = timedelta(seconds=timeout_s)
     data = dist.new_group(backend="gloo", timeout=timeout)
     return data, dist.new_group(backend="gloo", timeout=timeout) if async_mode == "thread" else data
+
+
+def release_groups(*groups: Any) -> None:
+    """Destroy the given process groups of the checkpoint code (``checkpoint_groups``), each once; never the default.
+
+    Only when no collective of theirs is running. Their gloo worker threads are joined
+    (the last reference is dropped from Python, without the GIL), not left to interpreter exit.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.distributed_c10d._world
+    default = dist.distributed_c10d._get_default_group()
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or group is default or id(group) in seen or group not in world.pg_map:
+            continue
+        seen.add(id(group))
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - a group that cannot be destroyed is left to the interpreter's exit
+            log.debug("ckpt_core: could not destroy a checkpoint process group: %s", e)

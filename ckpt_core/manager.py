@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import background
 from .collectives import (RankGroup, StepFlags, TorchRankGroup, checkpoint_groups, ensure_process_group,
-                          first_problem)
+                          first_problem, release_groups)
 from .config import CheckpointSettings, resolve_entry_point
 from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
@@ -460,10 +460,12 @@ class CheckpointManager:
         """Flush and release staging buffers, threads and signal handlers. Safe to call twice."""
         if self._closed:
             return
+        idle = False
         try:
             with FailFast("save", None, self.settings.collective_timeout_s):
                 self._flags.drain()  # every rank issued it at its last maybe_save
             self.wait()
+            idle = True
         finally:
             self._closed = True
             if self._preempt is not None:
@@ -473,10 +475,18 @@ class CheckpointManager:
             if self._lease_finalizer is not None:
                 self._lease_finalizer()  # releases this manager's use of the lease, once
             _LIVE.discard(self)
-            self._release_groups()
+            self._release_groups(destroy=idle)
 
-    def _release_groups(self) -> None:
-        """Drop this manager's process groups (destroy_process_group frees them from Python, without the GIL)."""
+    def _release_groups(self, destroy: bool) -> None:
+        """Drop this manager's process groups; ``destroy``: no collective of theirs can be running, so destroy them.
+
+        Destroyed, a gloo group's worker threads are joined now, while the interpreter is alive: a
+        worker that frees the tensors of the last collective needs the GIL, and one doing so during
+        interpreter finalization aborts the process ("terminate called without an active exception").
+        After a failure a collective may still wait for a lost rank; the groups are only dropped then.
+        """
+        if destroy:
+            release_groups(self._pg, getattr(self._ctl, "group", None))
         self._pg = None
         self._exchanges = False
         self._group = self._ctl = TorchRankGroup(None, enabled=False)

@@ -248,6 +248,7 @@ def test_slurm_requeue_signal_to_one_rank_of_two(tmp_path):
 
     def job(*extra: str) -> list[int]:
         port, procs = str(free_port()), []
+        logs = [open(tmp_path / f"rank{rank}.log", "a") for rank in range(2)]  # shown when an exit code is wrong
         for rank in range(2):
             env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
                    "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
@@ -255,14 +256,17 @@ def test_slurm_requeue_signal_to_one_rank_of_two(tmp_path):
                    "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "MASTER_PORT": port}
             procs.append(subprocess.Popen([sys.executable, str(WORKERS / "slurm_worker.py"), "--root", str(root),
                                            "--out", str(out), *extra], env=env, cwd=REPO,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                          stdout=logs[rank], stderr=subprocess.STDOUT))
         try:
             return [p.wait(timeout=150) for p in procs]
         finally:
             for p in procs:
                 kill_tree(p.pid)
+            for f in logs:
+                f.close()
 
-    assert job("--signal-at", "5", "--signal-rank", "1") == [143, 143]
+    codes = job("--signal-at", "5", "--signal-rank", "1")
+    assert codes == [143, 143], [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
     # the notice reached rank 1 at step 5; every rank learns of it at the next step boundary and saves step 6
     assert [r.step for r in list_records(str(root)) if r.committed] == [6]
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]

@@ -80,16 +80,23 @@ def test_two_agents_shrink_to_one_and_continue(tmp_path):
     workers restart at world size 1, reshard the checkpoint and finish the epoch without repeats."""
     port, trace, root = free_port(), tmp_path / "trace", str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shrink",
-             "--rdzv-conf", "last_call_timeout=8,join_timeout=90,close_timeout=10", "--max-restarts", "3",
-             "--monitor-interval", "0.5", str(SCRIPT), "--root", root, "--steps", "36", "--every", "3",
-             "--async-mode", "off", "--step-sleep", "0.25", "--trace", str(trace)]
+
+    def agent(hosts_store: bool) -> list[str]:
+        # The store's host is named, never raced for: the node that is killed must not be the one
+        # holding the rendezvous store (a real cluster's endpoint is a node that stays).
+        conf = f"last_call_timeout=8,join_timeout=90,close_timeout=10,is_host={int(hosts_store)}"
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shrink",
+                "--rdzv-conf", conf, "--max-restarts", "3",
+                "--monitor-interval", "0.5", str(SCRIPT), "--root", root, "--steps", "36", "--every", "3",
+                "--async-mode", "off", "--step-sleep", "0.25", "--trace", str(trace)]
+
     log_a = open(tmp_path / "agent_a.log", "w+")
-    a = subprocess.Popen(agent, env=env, stdout=log_a, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    a = subprocess.Popen(agent(True), env=env, stdout=log_a, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     time.sleep(1)
     log_b = open(tmp_path / "agent_b.log", "w+")
-    b = subprocess.Popen(agent, env=env, stdout=log_b, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    b = subprocess.Popen(agent(False), env=env, stdout=log_b, stderr=subprocess.STDOUT, cwd=REPO,
+                         start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -26,6 +26,7 @@ def test_retention_deletes_concurrently_with_async_saves(tmp_path):
     # keep_last=2 plus the permanent tier every 10 steps, from saves at 2, 4, ..., 30
     assert {int(k): v for k, v in got["final"].items()} == {10: True, 20: True, 28: True, 30: True}
     assert got["restored"] == 30 and got["same_params"]
+    assert got["groups_left"] == [0, 0]  # each manager's close() destroyed its process groups (gloo threads joined)
 
 
 def test_retention_counts_checkpoints_written_before_a_restart(tmp_path):

@@ -31,6 +31,7 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = TrainState(model=model, optimizers=opt)
+    groups = len(dist.distributed_c10d._world.pg_map)  # the default group (DDP's)
     m = CheckpointManager(args.root, every_n_steps=2, keep_last=2, keep_every_n_steps=10, async_mode="process")
     fs = get_fs(args.root)[0]
     samples, problems = 0, []
@@ -51,14 +52,16 @@ def main() -> None:
                 if problem:
                     problems.append(f"step {step}: newest committed {newest.step}: {problem}")
     m.close()
+    groups_left = [len(dist.distributed_c10d._world.pg_map) - groups]  # close() destroyed the manager's groups
     fresh = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)))
     with CheckpointManager(args.root, async_mode="off", handle_preemption=False) as m2:
         info = m2.restore(TrainState(model=fresh, optimizers=torch.optim.SGD(fresh.parameters(), lr=0.01)))
+    groups_left.append(len(dist.distributed_c10d._world.pg_map) - groups)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     if rank == 0:
         final = {r.step: r.committed for r in list_records(args.root)}
         json.dump({"samples": samples, "problems": problems, "final": final, "restored": info.step,
-                   "same_params": same}, open(args.out, "w"))
+                   "same_params": same, "groups_left": groups_left}, open(args.out, "w"))
     dist.destroy_process_group()
 
 
