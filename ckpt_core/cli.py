@@ -306,7 +306,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 human_age(now - r.wall_time if r.wall_time else None), note,
             ])
         else:
-            state = "torn" if (r.problem or "").startswith("no ") else "bad-manifest"
+            state = "unreadable" if r.unreadable else "torn" if (r.problem or "").startswith("no ") else "bad-manifest"
             rows.append(["", str(r.step), state, "-", "-", "-", "-", "-", "-", r.problem or ""])
     for line in _table(rows, right=(1, 5, 6, 7, 8)):
         _out(line)

@@ -24,9 +24,10 @@ def read_manifest(fs, path: str) -> Manifest:
 
 
 def record_from(path: str, step: int, manifest: Optional[Manifest], problem: Optional[str] = None,
-                label: Optional[int] = None) -> CheckpointRecord:
+                label: Optional[int] = None, unreadable: bool = False) -> CheckpointRecord:
     if manifest is None:
-        return CheckpointRecord(step=step, path=path, committed=False, problem=problem, label=label)
+        return CheckpointRecord(step=step, path=path, committed=False, problem=problem, label=label,
+                                unreadable=unreadable)
     return CheckpointRecord(
         step=manifest.step,
         path=path,
@@ -53,8 +54,9 @@ def record_at(fs, path: str, fs_path: str, label: Optional[int] = None) -> Check
         return record_from(path, step, None, "no manifest.json (in progress or torn)", label)
     except ManifestError as e:
         return record_from(path, step, None, f"unusable manifest.json: {e}", label)
-    except OSError as e:
-        return record_from(path, step, None, f"manifest.json cannot be read: {type(e).__name__}: {e}", label)
+    except OSError as e:  # unknown, not absent: never taken for a torn save
+        return record_from(path, step, None, f"manifest.json cannot be read: {type(e).__name__}: {e}", label,
+                           unreadable=True)
 
 
 def list_records(root: str, storage_options: Optional[dict] = None) -> list[CheckpointRecord]:

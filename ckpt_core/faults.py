@@ -11,7 +11,9 @@ in DCP's background process:
   ``OSError(ENOSPC)`` (disk full; permanent, not retried);
 * ``delay_per_file_s``: sleep before every file opened for writing (a slow store);
 * ``delay_per_rm_s``: sleep before every file deletion (a slow delete);
-* ``delay_per_read_s``: sleep before every file opened or fetched for reading (a slow read).
+* ``delay_per_read_s``: sleep before every file opened or fetched for reading (a slow read);
+* ``fail_reads_matching``: reading a file whose path contains this string
+  raises ``OSError(EIO)`` (a file that exists but cannot be read).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.delay_per_file_s = float(cfg.get("delay_per_file_s", 0.0))
         self.delay_per_rm_s = float(cfg.get("delay_per_rm_s", 0.0))
         self.delay_per_read_s = float(cfg.get("delay_per_read_s", 0.0))
+        self.fail_reads_matching = cfg.get("fail_reads_matching")
         self.bytes_written = 0
         self.writes_failed = 0
 
@@ -85,8 +88,7 @@ class FaultyFileSystem(AbstractFileSystem):
                 time.sleep(self.delay_per_file_s)
             self.target.makedirs(os.path.dirname(path), exist_ok=True)
             return _FaultyFile(self.target.open(path, mode, **kwargs), self)
-        if self.delay_per_read_s:
-            time.sleep(self.delay_per_read_s)
+        self._before_read(path)
         return self.target.open(path, mode, **kwargs)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
@@ -124,9 +126,15 @@ class FaultyFileSystem(AbstractFileSystem):
         return self.target.exists(self._strip_protocol(path))
 
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        path = self._strip_protocol(path)
+        self._before_read(path)
+        return self.target.cat_file(path, start=start, end=end)
+
+    def _before_read(self, path: str) -> None:
         if self.delay_per_read_s:
             time.sleep(self.delay_per_read_s)
-        return self.target.cat_file(self._strip_protocol(path), start=start, end=end)
+        if self.fail_reads_matching and self.fail_reads_matching in path:
+            raise OSError(errno.EIO, f"I/O error reading {path} (injected by faulty://)")
 
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

@@ -18,6 +18,9 @@ class CheckpointRecord:
     directory is an in-progress or torn save and is never loaded. ``step``
     comes from the manifest; ``label`` is the number in the directory's name
     (the step of an uncommitted directory, since it has no manifest).
+    ``unreadable``: ``manifest.json`` could not be read (an I/O error, not its
+    absence); whether the directory is committed is unknown, so nothing
+    deletes it and restore warns when it passes it over.
     """
 
     step: int
@@ -34,6 +37,7 @@ class CheckpointRecord:
     problem: Optional[str] = None
     checkpoint_id: Optional[str] = None
     label: Optional[int] = None
+    unreadable: bool = False
 
 
 CheckpointInfo = CheckpointRecord

@@ -232,7 +232,7 @@ def _report_skipped(records: list[CheckpointInfo], newest: int) -> int:
     for r in records:
         if r.step <= newest:
             continue
-        if r.problem and "unusable" in r.problem:
+        if r.unreadable or (r.problem and "unusable" in r.problem):
             skipped += 1
             warnings.warn(f"checkpoint {r.path} (step {r.step}) is skipped: {r.problem}", stacklevel=5)
         elif r.committed and not r.healthy:

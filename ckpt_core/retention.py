@@ -249,8 +249,10 @@ def records_to_delete(
     the run resumed from, or an in-flight save). Committed checkpoints the
     policy does not keep are deleted. Uncommitted directories are deleted only
     when their label is older than the newest committed checkpoint (crash
-    garbage); newer ones may be a save in progress and are left alone. With no
-    committed checkpoint at all, nothing is deleted.
+    garbage); newer ones may be a save in progress and are left alone. A
+    directory whose manifest could not be read (``unreadable``) may be
+    committed and is never deleted. With no committed checkpoint at all,
+    nothing is deleted.
     """
     committed = [r for r in records if r.committed]
     if not committed:
@@ -261,7 +263,8 @@ def records_to_delete(
     healthy = [r.step for r in committed if r.healthy]
     if healthy:
         keep.add(max(healthy))
-    doomed = [r for r in records if r.step not in keep and (r.committed or r.step < newest)]
+    doomed = [r for r in records
+              if r.step not in keep and not r.unreadable and (r.committed or r.step < newest)]
     return sorted(doomed, key=lambda r: (r.step, r.path))
 
 

@@ -145,6 +145,12 @@ def test_torn_cleanup_with_keep_last():
     assert steps_to_delete(records, build_policy(keep_last=1)) == [10, 20, 25]
 
 
+def test_a_directory_whose_manifest_cannot_be_read_is_never_deleted():
+    """Unknown is not torn: an I/O error reading manifest.json may hide a committed checkpoint."""
+    records = [rec(10, committed=False, unreadable=True), rec(20), rec(30), rec(15, committed=False)]
+    assert steps_to_delete(records, build_policy(keep_last=1)) == [15, 20]
+
+
 def test_keep_best_ignores_nan_missing_and_unhealthy():
     records = [
         rec(10, metrics={"loss": 0.1}, healthy=False),
