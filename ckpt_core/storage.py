@@ -6,9 +6,11 @@ deletions) goes through here; DCP's shards go through ``dcp_io``.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
+import time
 from typing import Any, Optional
 
 import fsspec
@@ -114,12 +116,37 @@ def list_dir(fs: fsspec.AbstractFileSystem, path: str) -> list[dict]:
         return []
 
 
-def remove_tree(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    """Delete a checkpoint directory, manifest first so a crash leaves it uncommitted."""
-    manifest = join(path, MANIFEST_NAME)
-    if fs.exists(manifest):
-        fs.rm_file(manifest)
+def remove_tree(fs: fsspec.AbstractFileSystem, path: str, attempts: int = 5, backoff_s: float = 0.2) -> None:
+    """Delete a checkpoint directory, manifest first so a crash leaves it uncommitted, and nothing behind.
+
+    The manifest delete is always sent (never skipped on a cached listing that
+    misses it). A bulk delete on an object store can answer success while some
+    keys failed (S3's per-key errors, e.g. ``SlowDown`` under throttling), which
+    s3fs does not raise: what is still listed is deleted again, up to
+    ``attempts`` rounds, then ``OSError`` names what stays.
+    """
+    try:
+        fs.rm_file(join(path, MANIFEST_NAME))
+    except FileNotFoundError:
+        pass
     if fs.exists(path):
         fs.rm(path, recursive=True)
+    left = _files_under(fs, path)
+    for attempt in range(1, attempts):
+        if not left:
+            return
+        time.sleep(backoff_s * 2 ** (attempt - 1))
+        fs.rm(left)
+        left = _files_under(fs, path)
+    if left:
+        raise OSError(errno.EIO, f"{len(left)} file(s) under {path} could not be deleted, e.g. {left[0]}")
+
+
+def _files_under(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """Every file under ``path`` as storage lists it now (no listing cache)."""
     if hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache(path)
+    try:
+        return sorted(fs.find(path))
+    except FileNotFoundError:
+        return []
