@@ -1,4 +1,4 @@
-"""State fingerprints: per-tensor float64 sums over the full logical tensors.
+"""State fingerprints: per-tensor sums (accumulated in float64) over the full logical tensors.
 
 A fingerprint is computed while the checkpoint is written (from the staged
 copy, in the background) and again after a restore; comparing the two catches
@@ -24,30 +24,36 @@ def is_fingerprinted(fqn: str) -> bool:
     return fqn.startswith(FINGERPRINT_PREFIXES)
 
 
-_CHUNK = 1 << 20
-"""Elements per float64 chunk: 8 MiB of scratch, whatever the tensor's size."""
+_CHUNK = 1 << 18
+"""Elements per block: 1 MiB of float32 scratch, small enough to stay in cache between the passes over it."""
+_ROW = 4096
+"""Elements summed in float32 (numpy's pairwise sum) before the row sums are added in float64."""
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def tensor_entry(t: torch.Tensor) -> Entry:
+    """(sum, sum of |x|, numel) of ``t``; CPU floating tensors in cache-sized blocks on one thread.
+
+    A float32 block is summed in rows of 4096 elements in float32 (pairwise:
+    relative error ~1e-10 of the sum of |x| on random data, far inside the
+    comparison's 1e-6) and the rows in float64: 0.13 s of CPU per GiB,
+    against 0.39 s for a float64 pass (2-core x86-64, one thread). A row sum
+    that overflows float32 is recomputed in float64, so a sum is non-finite
+    only when a value is, as with a float64 pass.
+    """
     if t.numel() == 0:
         return (0.0, 0.0, 0)
     if t.is_complex():
         t = torch.view_as_real(t)
-    # Chunk by chunk, never a float64 (and abs) copy of the whole tensor: that cost 4x the tensor's size
-    # in transient memory and ~2 s per GiB, mostly page faults (see benchmarks/save.py).
     flat = t.detach().reshape(-1)
-    if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
+    if flat.device.type == "cpu" and (flat.dtype in _NUMPY_DTYPES or flat.dtype == torch.bfloat16):
         # numpy reduces on one thread: a background save does not fight training for every core
         # (torch's intra-op threads stall on a busy machine).
-        a = flat.resolve_neg().numpy()
-        buf = np.empty(min(a.size, _CHUNK), dtype=a.dtype)
-        s = sa = 0.0
-        with np.errstate(all="ignore"):  # non-finite sums are data here (an unhealthy state), not errors
-            for i in range(0, a.size, _CHUNK):
-                c = a[i : i + _CHUNK]
-                s += float(np.add.reduce(c, dtype=np.float64))
-                sa += float(np.add.reduce(np.abs(c, out=buf[: c.size]), dtype=np.float64))
+        if flat.dtype == torch.bfloat16:
+            a = flat.resolve_neg().view(torch.int16).numpy().view(np.uint16)
+        else:
+            a = flat.resolve_neg().numpy()
+        s, sa = _numpy_sums(a)
         return (s, sa, int(t.numel()))
     buf_t = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float64, device=flat.device)
     acc = torch.zeros(2, dtype=torch.float64, device=flat.device)
@@ -58,6 +64,43 @@ def tensor_entry(t: torch.Tensor) -> Entry:
         acc[1] += b.abs_().sum()
     s, sa = acc.tolist()
     return (s, sa, int(t.numel()))
+
+
+def _numpy_sums(a: np.ndarray) -> tuple[float, float]:
+    """(sum, sum of |x|) of a flat float16/32/64 array, or of bfloat16 bits held as uint16."""
+    wide = a.dtype == np.float64
+    x_buf = np.empty(min(a.size, _CHUNK), dtype=np.float64 if wide else np.float32)
+    abs_buf = np.empty_like(x_buf)
+    s = sa = 0.0
+    with np.errstate(all="ignore"):  # non-finite sums are data here (an unhealthy state), not errors
+        for i in range(0, a.size, _CHUNK):
+            c = a[i : i + _CHUNK]
+            x = c if c.dtype == x_buf.dtype else _as_float32(c, x_buf[: c.size])
+            s += _block_sum(x)
+            sa += _block_sum(np.abs(x, out=abs_buf[: c.size]))
+    return s, sa
+
+
+def _as_float32(c: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``c`` (float16, or bfloat16 bits as uint16) widened to float32 into ``out``."""
+    if c.dtype == np.uint16:  # bfloat16 is the upper half of a float32
+        bits = out.view(np.uint32)
+        np.copyto(bits, c)
+        np.left_shift(bits, 16, out=bits)
+        return out
+    np.copyto(out, c)
+    return out
+
+
+def _block_sum(x: np.ndarray) -> float:
+    """Sum of one block: float32 rows of ``_ROW`` added in float64 (float64 throughout if a row overflows)."""
+    if x.dtype == np.float64:
+        return float(np.add.reduce(x))
+    rows = x.size // _ROW
+    head = np.add.reduce(x[: rows * _ROW].reshape(rows, _ROW), axis=1) if rows else np.zeros(0, np.float32)
+    if not np.isfinite(head).all() and np.isfinite(x).all():
+        return float(np.add.reduce(x, dtype=np.float64))
+    return float(head.sum(dtype=np.float64)) + float(np.add.reduce(x[rows * _ROW :], dtype=np.float64))
 
 
 def combine(parts: Iterable[Mapping[str, Entry]]) -> dict[str, Entry]:

@@ -126,7 +126,7 @@ class CheckpointManager:
         self._resume_check = ResumeCheck(s.resume_check, s.resume_check_steps,
                                          partial(_write_losses, self._retainer, self.fs, self._root_path))
         self._preempt = PreemptionWatcher() if s.handle_preemption else None
-        self._flags = StepFlags(self._ctl)  # maybe_save's preemption flag and clock, one step behind
+        self._flags = StepFlags(self._ctl)  # maybe_save's preemption flag and clock, exchanged without a wait
         self._exchanges = self.world_size > 1 and (self._preempt is not None or self.schedule.needs_time_sync)
         self._metrics_callbacks = list(metrics_callbacks)
         self._committed: set[int] = set()
@@ -163,8 +163,8 @@ class CheckpointManager:
 
     def _maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         self._poll(block=False)
-        if self._exchanges:  # raised on the previous step, by any rank; rank 0's clock
-            agreed = self._flags.drain()
+        if self._exchanges:  # raised at the last exchange, by any rank; rank 0's clock
+            agreed = self._flags.begin()
             signum, time_due = (agreed[0] or None, bool(agreed[1])) if agreed is not None else (None, False)
         else:
             signum, time_due = self._local_signal(), self._time_due()
@@ -175,8 +175,8 @@ class CheckpointManager:
         if signum is not None:
             self.wait()
             raise Preempted(step, signum, self.settings.preemption_exit_code)
-        if self._exchanges:  # this step's flags, read at the next: a signal and rank 0's clock, after this save
-            self._flags.exchange([self._local_signal() or 0, int(self.rank == 0 and self._time_due())])
+        if self._exchanges:  # this call's flags, read at the next exchange: a signal and rank 0's clock
+            self._flags.end(lambda: [self._local_signal() or 0, int(self.rank == 0 and self._time_due())])
         return saved
 
     def _local_signal(self) -> Optional[int]:
@@ -236,17 +236,21 @@ class CheckpointManager:
             log.warning("ckpt_core: skipping the save at step %d: the save at step %s is still writing (%s)",
                         step, prev, reason)
             return False
+        waited_s = 0.0
         if action != GO:
             log.info("ckpt_core: save at step %d waits for the save at step %s to finish writing (%s)",
                      step, prev, reason)
+            t0 = time.monotonic()
             self._poll(block=True)
+            waited_s = time.monotonic() - t0  # the loop stalls for it: part of this save's cost
         why_not = skip_reason(replace(ctx, committed=name is None and step in self._committed))
         if why_not is not None:
             log.info("ckpt_core: not saving step %d: %s", step, why_not)
             return False
-        return self._start(step, state, metrics, name or step_dirname(step))
+        return self._start(step, state, metrics, name or step_dirname(step), waited_s)
 
-    def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]], dirname: str) -> bool:
+    def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]], dirname: str,
+               waited_s: float = 0.0) -> bool:
         try:
             self._guard_lease(step)
         except SaveError as e:
@@ -257,7 +261,8 @@ class CheckpointManager:
             "permanent": mark_permanent(step, self.settings.keep_every_n_steps),
             "metrics": dict(metrics or {}), "contents": state.contents(),
         }
-        stats = SaveStats(step=step, blocking_s=0.0, first=self._n_saves == 0, interval_s=self.schedule.interval_s)
+        stats = SaveStats(step=step, blocking_s=0.0, first=self._n_saves == 0, interval_s=self.schedule.interval_s,
+                          wait_s=waited_s)
         self._n_saves += 1
         try:
             inflight = self._saver.start(step, state, join(self.root, dirname), fields, stats)
@@ -266,7 +271,9 @@ class CheckpointManager:
             self._save_failed(e)
             return False
         self._last_save_time = time.monotonic()
-        self.schedule.record_cost(stats.blocking_s)
+        # The schedule's cost C is the whole stall: the wait for the previous save and the dispatch. Only rank 0's
+        # schedule decides time triggers (its flag goes through StepFlags), so rank-local measurements suffice.
+        self.schedule.record_cost(stats.wait_s + stats.blocking_s)
         if self.rank == 0:
             _log_auto_interval(self.schedule, self.settings.interval)
             self._resume_check.saved(step)
@@ -296,6 +303,8 @@ class CheckpointManager:
         else:
             self._commit_recorded(stats)
             self._report(stats)
+        if stats.write_s is not None:  # the commit lag W: the floor of the auto interval
+            self.schedule.record_write(stats.write_s)
         log.info("ckpt_core: committed step %d (stall %.3fs, write %.3fs, %d bytes)",
                  stats.step, stats.blocking_s, stats.write_s, stats.bytes)
 
@@ -572,11 +581,16 @@ def _fmt(x: Any) -> str:
 
 
 def _log_auto_interval(schedule: SaveSchedule, interval: Optional[str]) -> None:
-    if interval == "auto":
-        d = schedule.describe()
-        log.info("ckpt_core: auto interval %s s (save cost C=%s s, cluster MTBF M=%s s, expected time lost %s)",
-                 _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("mtbf_s")),
-                 _fmt(d.get("expected_overhead")))
+    if interval != "auto":
+        return
+    d = schedule.describe()
+    log.info("ckpt_core: auto interval %s s (save cost C=%s s, write time W=%s s, cluster MTBF M=%s s, expected "
+             "time lost %s)", _fmt(d.get("interval_s")), _fmt(d.get("cost_s")), _fmt(d.get("write_s")),
+             _fmt(d.get("mtbf_s")), _fmt(d.get("expected_overhead")))
+    if schedule.write_bound:
+        log.warning("ckpt_core: saves take %s s to write, more than max_interval_s=%s; the auto interval is the "
+                    "write time (a shorter one would only make saves wait for each other)",
+                    _fmt(d.get("write_s")), _fmt(schedule.max_interval_s))
 
 
 def _read_commit(fs: Any, path: str, stats: SaveStats) -> Optional[SaveError]:

@@ -58,6 +58,7 @@ class SaveStats:
     committed: bool = False
     healthy: bool = True
     interval_s: Optional[float] = None
+    wait_s: float = 0.0  # waiting for the previous save to finish writing, before ``blocking_s`` began
     deleted: list = field(default_factory=list)
     first: bool = False
     failed: bool = False  # this save failed (``on_save_error="warn"``): only the alert metrics are reported
@@ -125,7 +126,7 @@ class Saver:
         try:
             writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
                                  retries=s.write_retries, backoff_s=s.retry_backoff_s,
-                                 signing_key=self._signing_key)
+                                 signing_key=self._signing_key, nice=s.writer_nice)
             mode = self._mode_for(state)
             fut = self._dispatch(mode, state, writer, self._planner())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -6,7 +6,10 @@ ranks cannot disagree about whether a collective save starts.
 
 Interval model: with blocking save cost ``C`` and mean time between failures
 ``M`` of the whole job, Young (1974) gives ``sqrt(2CM)``; Daly (2006) adds
-higher-order terms, which matter once ``C`` is not small next to ``M``.
+higher-order terms, which matter once ``C`` is not small next to ``M``. An
+asynchronous save keeps writing after the loop resumed: ``W``, the time from
+its dispatch to its commit, is a floor of the interval (a shorter one only
+makes saves queue) and a lag in the expected loss (``expected_overhead``).
 """
 
 from __future__ import annotations
@@ -86,29 +89,53 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
 
 
 def optimal_interval(
-    cost_s: float, mtbf_s: float, min_interval: float, max_interval: float
+    cost_s: float, mtbf_s: float, min_interval: float, max_interval: float, write_s: float = 0.0
 ) -> float:
-    """Daly's interval clamped to ``[min_interval, max_interval]`` seconds."""
+    """Daly's interval clamped to ``[min_interval, max_interval]`` seconds, then never below ``write_s``.
+
+    ``write_s`` is the background write time ``W`` (dispatch to commit). Saves
+    closer together than ``W`` queue: the next one waits for the previous one
+    to commit, stalling the loop, and no checkpoint commits sooner. So ``W``
+    wins over ``max_interval`` too. ``expected_overhead`` is convex in the
+    interval, so ``max(optimum, W)`` is the best interval of at least ``W``.
+    """
     _positive(min_interval, "min_interval")
     _positive(max_interval, "max_interval")
+    _non_negative(write_s, "write_s")
     _require(
         min_interval <= max_interval,
         f"min_interval ({min_interval}) must be <= max_interval ({max_interval})",
     )
-    return min(max(daly_interval(cost_s, mtbf_s), min_interval), max_interval)
+    return max(min(max(daly_interval(cost_s, mtbf_s), min_interval), max_interval), write_s)
 
 
-def expected_overhead(interval_s: float, cost_s: float, mtbf_s: float) -> float:
+def expected_overhead(
+    interval_s: float, cost_s: float, mtbf_s: float, write_s: float = 0.0, restart_s: float = 0.0
+) -> float:
     """Expected fraction of wall time lost to checkpointing and failures.
 
-    First-order model: ``C/tau`` is time spent blocked in saves, and each
-    failure (rate ``1/M``) loses on average half an interval plus the save in
-    progress, ``(tau + C)/2``, giving ``C/tau + (tau + C)/(2M)``. Capped at 1.0.
+    First-order model, interval ``tau``, stall ``C`` per save, commit lag
+    ``W`` (dispatch to commit), restart ``R``, job MTBF ``M``:
+
+    - ``C/tau`` is time the loop spends stalled in saves;
+    - saves are dispatched every ``P = tau + C``, and the one dispatched at
+      ``t`` protects the work up to ``t`` only from ``t + W`` on. A failure
+      at a uniformly random moment loses the work since the newest
+      *committed* checkpoint: ``P/2 + W`` on average (for any ``W``), plus
+      the restart ``R``. Failures come at rate ``1/M``.
+
+    Overhead: ``C/tau + ((tau + C)/2 + W + R)/M``, capped at 1.0. ``W`` and
+    ``R`` only add the constant ``(W + R)/M``: the optimum is still Young's
+    ``sqrt(2CM)`` to first order (Daly's to higher order), and ``W`` enters
+    the interval only as its floor (``optimal_interval``).
     """
     _positive(interval_s, "interval_s")
     _non_negative(cost_s, "cost_s")
     _positive(mtbf_s, "mtbf_s")
-    return min(1.0, cost_s / interval_s + (interval_s + cost_s) / (2.0 * mtbf_s))
+    _non_negative(write_s, "write_s")
+    _non_negative(restart_s, "restart_s")
+    lost_per_failure = (interval_s + cost_s) / 2.0 + write_s + restart_s
+    return min(1.0, cost_s / interval_s + lost_per_failure / mtbf_s)
 
 
 class SaveSchedule:
@@ -119,17 +146,23 @@ class SaveSchedule:
     - ``every_n_steps``: ``step > 0 and step % every_n_steps == 0``.
     - ``every_seconds``: ``elapsed_s >= every_seconds``.
     - ``interval="auto"``: ``elapsed_s >= interval_s``, where ``interval_s`` is
-      Daly's interval from the measured save cost and the job MTBF
+      Daly's interval from the measured save cost (``record_cost``: the stall,
+      waiting for the previous save included) and the job MTBF
       (``device_mtbf_hours`` over ``n_devices``), clamped to
-      ``[min_interval_s, max_interval_s]``.
+      ``[min_interval_s, max_interval_s]``, and never below the measured
+      background write time (``record_write``), which wins over
+      ``max_interval_s`` (``optimal_interval``).
 
     With no trigger configured it never saves automatically.
 
-    ``elapsed_s`` and recorded costs must be identical on every rank: the
-    caller broadcasts rank 0's clock (and an agreed cost, e.g. the max over
-    ranks). Feeding each rank its local clock lets ranks disagree, so one rank
-    would enter a collective save alone and hang. ``needs_time_sync`` tells
-    the caller whether that broadcast is needed.
+    The time triggers must answer alike on every rank, or one rank would
+    enter a collective save alone and hang: either every rank's schedule gets
+    identical ``elapsed_s``, costs and write times, or one rank's schedule
+    decides and its answer is broadcast. ``CheckpointManager`` does the
+    latter: rank 0's schedule, fed rank 0's clock and rank 0's measurements,
+    raises the time flag that ``collectives.StepFlags`` shares. Feeding each
+    rank's schedule its local clock and deciding locally lets ranks disagree.
+    ``needs_time_sync`` tells the caller whether that exchange is needed.
     """
 
     def __init__(
@@ -160,15 +193,27 @@ class SaveSchedule:
         self.max_interval_s = max_interval_s
         self.initial_cost_s = initial_cost_s
         self._costs: deque[float] = deque(maxlen=cost_window)
+        self._writes: deque[float] = deque(maxlen=cost_window)
 
     def record_cost(self, blocking_s: float) -> None:
-        """Add a measured blocking save cost (seconds, agreed across ranks).
+        """Add a measured save cost ``C``: seconds the loop stalled for one save.
 
-        The cost used is the median of the last ``cost_window`` measurements,
-        so one slow save does not swing the interval.
+        That is the wait for the previous save to finish writing (when it was
+        still in flight) plus the dispatch. The cost used is the median of the
+        last ``cost_window`` measurements, so one slow save does not swing the
+        interval.
         """
         _non_negative(blocking_s, "blocking_s")
         self._costs.append(float(blocking_s))
+
+    def record_write(self, write_s: float) -> None:
+        """Add a committed save's write time ``W``: seconds from its dispatch to its commit.
+
+        The floor of the auto interval is the median of the last
+        ``cost_window`` measurements (``write_s``).
+        """
+        _non_negative(write_s, "write_s")
+        self._writes.append(float(write_s))
 
     @property
     def cost_s(self) -> Optional[float]:
@@ -176,6 +221,17 @@ class SaveSchedule:
         if self._costs:
             return statistics.median(self._costs)
         return self.initial_cost_s
+
+    @property
+    def write_s(self) -> Optional[float]:
+        """Moving median of recent write times, else None."""
+        return statistics.median(self._writes) if self._writes else None
+
+    @property
+    def write_bound(self) -> bool:
+        """Whether the write time holds the auto interval above ``max_interval_s``."""
+        write = self.write_s
+        return self.auto and write is not None and write > self.max_interval_s
 
     @property
     def mtbf_s(self) -> Optional[float]:
@@ -189,14 +245,14 @@ class SaveSchedule:
         """Current time interval: auto's, else ``every_seconds``, else None.
 
         Before any cost is known (no measurement, no ``initial_cost_s``) the
-        auto interval is ``min_interval_s``, so a first save happens early and
-        its cost gets measured.
+        auto interval is ``min_interval_s`` (or the write time, if longer), so
+        a first save happens early and its cost gets measured.
         """
         if self.auto:
-            cost, mtbf = self.cost_s, self.mtbf_s
+            cost, mtbf, write = self.cost_s, self.mtbf_s, self.write_s or 0.0
             if cost is None or mtbf is None:
-                return self.min_interval_s
-            return optimal_interval(cost, mtbf, self.min_interval_s, self.max_interval_s)
+                return max(self.min_interval_s, write)
+            return optimal_interval(cost, mtbf, self.min_interval_s, self.max_interval_s, write)
         return self.every_seconds
 
     @property
@@ -205,7 +261,7 @@ class SaveSchedule:
         cost, interval, mtbf = self.cost_s, self.interval_s, self.mtbf_s
         if not self.auto or cost is None or interval is None or mtbf is None:
             return None
-        return expected_overhead(interval, cost, mtbf)
+        return expected_overhead(interval, cost, mtbf, self.write_s or 0.0)
 
     @property
     def needs_time_sync(self) -> bool:
@@ -233,10 +289,11 @@ class SaveSchedule:
         return interval is not None and elapsed_s >= interval
 
     def describe(self) -> dict[str, Any]:
-        """Current interval, cost, MTBF and expected overhead, for logging."""
+        """Current interval, cost, write time, MTBF and expected overhead, for logging."""
         return {
             "interval_s": self.interval_s,
             "cost_s": self.cost_s,
+            "write_s": self.write_s,
             "mtbf_s": self.mtbf_s,
             "expected_overhead": self.expected_overhead,
         }

@@ -46,6 +46,40 @@ def test_fingerprint_compare_reports_changes_and_tolerates_summation_order():
     assert "optim.x: restored but not in the checkpoint's fingerprint" in diffs
 
 
+def _float64_entry(t: torch.Tensor) -> tuple[float, float, int]:
+    x = t.detach().reshape(-1).double()
+    return (float(x.sum()), float(x.abs().sum()), x.numel())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, (1 << 18) + 4099, 3 * (1 << 18)])
+def test_fingerprint_block_sums_match_a_float64_pass(dtype, n):
+    """Rows summed in float32, blocks in float64: within 1e-7 of the sum of |x| of a float64 pass (compare's
+    tolerance is 1e-6), for every dtype and lengths around the row (4096) and block (2^18) boundaries."""
+    t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    s, a, count = fp.tensor_entry(t)
+    s64, a64, n64 = _float64_entry(t)
+    assert count == n64 == n
+    assert abs(s - s64) <= 1e-7 * a64 and abs(a - a64) <= 1e-7 * a64
+
+
+def test_fingerprint_of_a_split_tensor_matches_the_whole_within_compare_tolerance():
+    """A resharded tensor is summed in other blocks: the parts' combined entry compares equal to the whole."""
+    t = torch.randn(5 * (1 << 18) + 17, generator=torch.Generator().manual_seed(1))
+    parts = fp.combine([{"model.w": fp.tensor_entry(t[:777_777])}, {"model.w": fp.tensor_entry(t[777_777:])}])
+    assert fp.compare({"model.w": fp.tensor_entry(t)}, parts, rtol=1e-7) == []
+
+
+def test_fingerprint_stays_finite_where_float32_row_sums_overflow():
+    """4096 values of 1e35 overflow a float32 sum; the block is summed again in float64, so the state is
+    healthy (finite) exactly when a float64 pass says so."""
+    t = torch.full((8192,), 1e35)
+    s, a, _ = fp.tensor_entry(t)
+    assert math.isfinite(s) and math.isclose(s, 8192e35, rel_tol=1e-6) and math.isclose(a, s)
+    t[5] = float("inf")
+    assert fp.tensor_entry(t)[0] == float("inf")
+
+
 def test_nonfinite_state_is_unhealthy_but_compares_equal_to_itself():
     t = torch.tensor([1.0, float("nan")])
     e = {"model.w": fp.tensor_entry(t)}

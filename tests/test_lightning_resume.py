@@ -265,11 +265,13 @@ def test_slurm_requeue_signal_to_one_rank_of_two(tmp_path):
             for f in logs:
                 f.close()
 
-    codes = job("--signal-at", "5", "--signal-rank", "1")
+    codes = job("--signal-at", "5", "--signal-rank", "1", "--max-steps", "40")
     assert codes == [143, 143], [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
-    # the notice reached rank 1 at step 5; every rank learns of it at the next step boundary and saves step 6
-    assert [r.step for r in list_records(str(root)) if r.committed] == [6]
+    # the notice reached rank 1 at step 5; every rank learns of it at the same step boundary, at most 2 x 8 steps
+    # later (maybe_save's flag exchange: every step for steps of 20 ms or more, every 8th at most), and saves it
+    saved = [r.step for r in list_records(str(root)) if r.committed]
+    assert len(saved) == 1 and 5 < saved[0] <= 5 + 2 * 8, saved
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    assert job() == [0, 0]
+    assert job("--max-steps", "40") == [0, 0]
     facts = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    assert [f["resumed_from"] for f in facts] == [6, 6] and [f["step"] for f in facts] == [12, 12]
+    assert [f["resumed_from"] for f in facts] == saved * 2 and [f["step"] for f in facts] == [40, 40]

@@ -136,6 +136,7 @@ def test_auto_without_cost_saves_at_min_interval_then_adapts():
     assert s.describe() == {
         "interval_s": s.interval_s,
         "cost_s": 30.0,
+        "write_s": None,
         "mtbf_s": 24 * HOUR,
         "expected_overhead": expected_overhead(s.interval_s, 30, 24 * HOUR),
     }
@@ -144,7 +145,7 @@ def test_auto_without_cost_saves_at_min_interval_then_adapts():
 def test_describe_without_auto():
     s = SaveSchedule(every_seconds=600)
     assert s.describe() == {
-        "interval_s": 600, "cost_s": None, "mtbf_s": None, "expected_overhead": None,
+        "interval_s": 600, "cost_s": None, "write_s": None, "mtbf_s": None, "expected_overhead": None,
     }
 
 

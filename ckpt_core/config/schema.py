@@ -87,8 +87,9 @@ class CheckpointSettings:
     device_mtbf_hours: Optional[float] = _pos_num(
         None, 'per-device mean time between failures, for interval="auto".')
     n_devices: Optional[int] = _pos_int(None, "devices that fail independently; defaults to the world size.")
-    min_interval_s: float = _clamp(60.0, "clamp of the automatic interval.")
-    max_interval_s: float = _clamp(3600.0, "clamp of the automatic interval.")
+    min_interval_s: float = _clamp(60.0, "lower clamp of the automatic interval.")
+    max_interval_s: float = _clamp(3600.0, "upper clamp of the automatic interval; a measured write time above "
+                                           "it wins (a shorter interval would only queue saves), with a warning.")
     keep_last: Optional[int] = _pos_int(None, "keep the newest K healthy checkpoints (None keeps all).")
     keep_every_n_steps: Optional[int] = _pos_int(
         None, "permanent tier: checkpoints at multiples of N are never deleted.")
@@ -133,6 +134,10 @@ class CheckpointSettings:
         None, "bound on staging memory; larger states save synchronously.")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
                                     "(benchmarks/save.py).", low=1)
+    writer_nice: int = _count(10, "async_mode=process: the nice value of the background writer process (0 to 19; "
+                                  "never below the trainer's), so its CPU goes to training first on busy cores. "
+                                  "Thread mode is never reniced: a thread holding the GIL at low priority would "
+                                  "stall training.", high=19)
     write_retries: int = _count(3, "retries of a write that failed with a transient storage error (backoff doubles).")
     retry_backoff_s: float = _spec(0.5, "the first retry's delay in seconds.", lambda v: _num(v) and v >= 0,
                                    "a number of seconds >= 0")
