@@ -11,8 +11,12 @@
   its descendants (DCP's background writer process included) plus shared
   memory once (the staging buffers), next to the exact ``ru_maxrss`` of the
   rank and of its children;
-* small helpers: fsync'd sequential writes, page-cache eviction, medians,
-  machine description, result files.
+* CPU time: user + system time of a process tree from ``/proc`` (live
+  children included, which ``getrusage`` cannot see), minus chosen threads
+  (the samplers of the benchmark itself);
+* small helpers: fsync'd sequential writes (also split into the write and the
+  fsync, each with its thread CPU time), page-cache eviction, medians,
+  bootstrap confidence intervals, machine description, result files.
 """
 
 from __future__ import annotations
@@ -289,6 +293,11 @@ class MemSampler:
         self._thread.start()
         return self
 
+    @property
+    def native_id(self) -> Optional[int]:
+        """The sampler thread's kernel thread id (once started): its CPU is the benchmark's, not a save's."""
+        return self._thread.native_id
+
     def window(self) -> None:
         with self._lock:
             self.peak, self.peak_rss, self.samples = 0, 0, 0
@@ -309,6 +318,39 @@ class MemSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+
+
+# -------------------------------------------------------------------- CPU
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_ticks(path: str, children: bool) -> int:
+    """utime + stime (+ cutime + cstime when ``children``) in clock ticks from a ``/proc/.../stat`` file; 0 if gone."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    fields = data[data.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    try:  # fields 14-17 of proc(5), counted from the state (field 3)
+        return sum(int(x) for x in fields[11:15 if children else 13])
+    except (ValueError, IndexError):
+        return 0
+
+
+def tree_cpu_s(pid: int, exclude_tids: tuple = (), tree: bool = True) -> float:
+    """CPU seconds (user + system) used so far by ``pid``, its threads and, with ``tree``, all its descendants.
+
+    Read from ``/proc/<pid>/stat``: the process's threads, dead ones included,
+    and the children it has reaped (cutime/cstime), so a difference of two
+    readings covers a live writer process that ``getrusage(RUSAGE_CHILDREN)``
+    cannot see yet. ``exclude_tids`` are threads of ``pid`` left out (the
+    benchmark's own samplers). Resolution: one clock tick (10 ms).
+    """
+    pids = [pid, *descendants(pid)] if tree else [pid]
+    ticks = sum(_stat_ticks(f"/proc/{p}/stat", children=True) for p in pids)
+    ticks -= sum(_stat_ticks(f"/proc/{pid}/task/{t}/stat", children=False) for t in exclude_tids)
+    return ticks / CLK_TCK
 
 
 def maxrss_bytes(who: int = resource.RUSAGE_SELF) -> int:
@@ -442,6 +484,36 @@ def fsync_write(path: str, tensors: list, chunk: int = 64 * MiB) -> int:
     return n
 
 
+def timed_write(path: str, tensors: list, chunk: int = 64 * MiB) -> dict:
+    """``fsync_write`` in two timed phases: the write syscalls (a copy into the page cache), then the fsyncs.
+
+    Returns wall and thread CPU seconds of each phase (``write_s``/``write_cpu_s``,
+    ``fsync_s``/``fsync_cpu_s``; the fsyncs include the directory's) and their
+    total wall time ``total_s``. Writeback done by kernel threads is nobody's
+    thread CPU time and is not counted.
+    """
+    t0, c0 = time.perf_counter(), time.thread_time()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            mv = memoryview(t.numpy()).cast("B")
+            off = 0
+            while off < len(mv):
+                off += os.write(fd, mv[off : off + chunk])
+        t1, c1 = time.perf_counter(), time.thread_time()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    t2, c2 = time.perf_counter(), time.thread_time()
+    return {"write_s": t1 - t0, "write_cpu_s": c1 - c0, "fsync_s": t2 - t1, "fsync_cpu_s": c2 - c1,
+            "total_s": t2 - t0}
+
+
 def evict_page_cache(root: str) -> int:
     """Drop the cached pages of every file under ``root`` (posix_fadvise DONTNEED), so reads hit the disk.
 
@@ -542,6 +614,43 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def bootstrap_ci(samples: Any, stat: Callable[[Any], float], n: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> Optional[tuple[float, float]]:
+    """Percentile bootstrap confidence interval of ``stat`` over ``samples``; None with fewer than 2 samples.
+
+    ``samples`` holds one entry per independent unit (a round): a number, or a
+    row of paired numbers (e.g. a variant's time and the reference timed in
+    the same process). ``stat`` maps an array of entries (shape ``(m,)`` or
+    ``(m, k)``) to a number. Rows are resampled with replacement, ``n`` times,
+    with a fixed seed (the same data give the same interval). The bounds are
+    resampled values (the lower and upper percentile points, never
+    interpolated), so an infinite statistic (a ratio over a denominator that
+    is not positive) gives an infinite bound. Resamples where ``stat`` is NaN
+    are left out; None when they are more than ``1 - level`` of them.
+    """
+    import numpy as np
+
+    data = np.asarray(samples, dtype=float)
+    if len(data) < 2:
+        return None
+    idx = np.random.default_rng(seed).integers(0, len(data), size=(n, len(data)))
+    with np.errstate(all="ignore"):
+        vals = np.array([stat(data[i]) for i in idx], dtype=float)
+    vals = vals[~np.isnan(vals)]
+    if vals.size == 0 or vals.size < level * n:
+        return None
+    tail = 100 * (1 - level) / 2
+    lo = np.percentile(vals, tail, method="lower")
+    hi = np.percentile(vals, 100 - tail, method="higher")
+    return float(lo), float(hi)
+
+
+def ratio_of_sums(a: Any) -> float:
+    """``sum(column 0) / sum(column 1)`` of paired rows: a ratio of totals over rounds (nan if the total is 0)."""
+    den = float(a[:, 1].sum())
+    return float(a[:, 0].sum()) / den if den else float("nan")
 
 
 def fmt(x: Optional[float], spec: str = ".3f", none: str = "-") -> str:

@@ -26,6 +26,13 @@ Each cycle:
    (sampled every 2 ms, ``_common.RssMeter``), divided by the state's bytes on
    the rank (worst rank). The floor is 2.0: the live state plus the fresh
    buffers a restore loads into before anything is applied.
+4. *limits*: right after the resume, the files of the restored checkpoint are
+   evicted again and read once, front to back, one file after the other, in
+   64 MiB reads into one reused buffer: the cold sequential read of the same
+   bytes on the same disk, in the same run. The load is reported against it
+   (its time divided by the load's: the goal is at least 0.8x) and the verify
+   against the load (goal at most 15 %), with the fingerprints' part of the
+   verify (``timings["fingerprint"]``).
 
 Medians over the cycles; JSON in ``benchmarks/results/recovery_<timestamp>.json``.
 """
@@ -241,6 +248,7 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
             raise RuntimeError(f"resume worker failed (rc={rc}):\n{C.tail(log_path)}")
         with open(spec["result_path"]) as f:
             gathered = json.load(f)
+        read = [cold_read(r.path) for r in list_records(root) if r.step == gathered[0]["restored_step"]]
     C.rmtree(root)
     r0 = gathered[0]
     m = r0["marks"]
@@ -264,7 +272,35 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         "restored_ok": r0["restored_step"] == newest, "t_kill": t_kill,
         "restore_rss_ratio": max(g["rss"]["rss_ratio"] for g in gathered),
         "restore_rss_added": max(g["rss"]["peak_rss_added"] for g in gathered),
+        **limits(gathered, tim, read[0] if read else (0, None)),
     }
+
+
+def limits(gathered: list, tim: dict, read: tuple[int, Optional[float]]) -> dict:
+    """The cycle's figures beside the limits: the cold read of the restored files (bytes, seconds), the load
+    against it, the verify against the load, and the fingerprints' part of the verify (worst rank)."""
+    read_bytes, read_s = read
+    return {"fingerprint_s": max(g["timings"].get("fingerprint", 0.0) for g in gathered),
+            "cold_read_bytes": read_bytes, "cold_read_s": read_s,
+            "load_vs_read": C.ratio(read_s, tim["load"]), "verify_vs_load": C.ratio(tim["verify"], tim["load"])}
+
+
+def cold_read(path: str, chunk: int = 64 << 20) -> tuple[int, float]:
+    """Bytes and seconds of a cold sequential read of every file of checkpoint ``path``.
+
+    The files are evicted from the page cache first, then read front to back,
+    one after the other, in ``chunk``-byte reads into one reused buffer: what
+    the disk gives a plain reader, for the same bytes the restore read.
+    """
+    C.evict_page_cache(path)
+    buf = memoryview(bytearray(chunk))
+    total = 0
+    t0 = time.perf_counter()
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total, time.perf_counter() - t0
 
 
 def calibrate(threads: int, n: int, step_s: float) -> dict:
@@ -298,6 +334,11 @@ def summarize(cycles: list, args: argparse.Namespace) -> dict:
         "torn_seen": sum(len(c["torn"]) for c in ok),
         "restore_rss_ratio": C.median([c.get("restore_rss_ratio") for c in ok]),
         "restore_rss_added": C.median([c.get("restore_rss_added") for c in ok]),
+        "fingerprint_s": C.median([c.get("fingerprint_s") for c in ok]),
+        "cold_read_bytes": C.median([c.get("cold_read_bytes") for c in ok]),
+        "cold_read_s": C.median([c.get("cold_read_s") for c in ok]),
+        "load_vs_read": C.median([c.get("load_vs_read") for c in ok]),
+        "verify_vs_load": C.median([c.get("verify_vs_load") for c in ok]),
     }
 
 
@@ -310,6 +351,7 @@ def print_summary(s: dict, args: argparse.Namespace, ranks: int) -> None:
     for p in PHASES:
         v = s["phases"][p]
         print(f"  {p:<14}{C.fmt(v, '.3f'):>8}s {C.fmt(None if not total or v is None else 100 * v / total, '.0f'):>4}%")
+    print_limits(s)
     print(f"work lost per failure: median {C.fmt(s['lost_steps_median'], '.0f')} steps "
           f"({C.fmt(s['lost_s_median'], '.1f')}s), mean {C.fmt(s['lost_steps_mean'], '.1f')}, max {s['lost_steps_max']} "
           f"(save every {args.every}: a kill at a uniformly random step loses ~{args.every / 2:.0f} + the commit lag)")
@@ -318,6 +360,17 @@ def print_summary(s: dict, args: argparse.Namespace, ranks: int) -> None:
           f"+ fresh load buffers; target <= 2.1)")
     print(f"restored the newest committed checkpoint every time: {s['all_restored_newest']}; "
           f"torn (uncommitted) step directories seen and skipped: {s['torn_seen']}")
+
+
+def print_limits(s: dict) -> None:
+    """The load against a cold sequential read of the same bytes, and the verify against the load (medians)."""
+    load, verify, read_s = s["phases"]["load"], s["phases"]["verify"], s["cold_read_s"]
+    print(f"load {C.fmt(load, '.3f')}s against a cold sequential read of the same "
+          f"{C.fmt(C.ratio(s['cold_read_bytes'], 1e6), '.0f')} MB in {C.fmt(read_s, '.3f')}s "
+          f"({C.fmt(C.ratio(C.ratio(s['cold_read_bytes'], 1e9), read_s), '.2f')} GB/s): the load runs at "
+          f"{C.fmt(s['load_vs_read'], '.2f')}x the read (goal >= 0.80x)")
+    print(f"verify {C.fmt(verify, '.3f')}s = {C.fmt(None if s['verify_vs_load'] is None else 100 * s['verify_vs_load'], '.0f')}% "
+          f"of the load (goal <= 15%); fingerprints {C.fmt(s['fingerprint_s'], '.3f')}s of it")
 
 
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
@@ -379,7 +432,9 @@ def main(argv: Optional[list] = None) -> int:
                     print(f"  cycle {i + 1}/{args.repeats}: killed after step {c['last_step']}, newest committed "
                           f"{max(c['committed']) if c['committed'] else None} (lost {c['lost_steps']} steps), "
                           f"resumed from {c['restored_step']} in {c['time_to_first_step_s']:.2f}s, "
-                          f"restore RSS {c['restore_rss_ratio']:.2f}x the state", flush=True)
+                          f"restore RSS {c['restore_rss_ratio']:.2f}x the state; load {c['phases']['load']:.3f}s, "
+                          f"cold read {C.fmt(c['cold_read_s'], '.3f')}s ({C.fmt(c['load_vs_read'], '.2f')}x), "
+                          f"verify {c['phases']['verify']:.3f}s", flush=True)
                 except Exception as e:  # noqa: BLE001
                     failures += 1
                     c = {"cycle": i, "error": str(e)}

@@ -144,14 +144,17 @@ def compare(expected: Mapping[str, Entry], actual: Mapping[str, Entry], rtol: fl
     return problems
 
 
-def local_entries(flat: Mapping[str, object], rank: int) -> dict[str, Entry]:
+def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1) -> dict[str, Entry]:
     """This rank's contribution to the fingerprint of a flattened state dict.
 
     DTensor shards contribute their local part (divided among replicas);
-    plain tensors are replicated, so only rank 0 contributes them.
+    plain tensors are replicated, so only rank 0 contributes them. With
+    ``workers`` > 1 the tensors are summed on that many threads (numpy
+    releases the GIL): for a restore, when no training shares the cores.
     """
     from torch.distributed.tensor import DTensor
 
+    jobs: dict[str, tuple[torch.Tensor, int]] = {}
     out: dict[str, Entry] = {}
     for fqn, value in flat.items():
         if not is_fingerprinted(fqn) or not isinstance(value, torch.Tensor):
@@ -161,22 +164,35 @@ def local_entries(flat: Mapping[str, object], rank: int) -> dict[str, Entry]:
             for dim, placement in enumerate(value.placements):
                 if placement.is_replicate():
                     replicas *= value.device_mesh.size(dim)
-            s, a, n = tensor_entry(value.to_local())
-            out[fqn] = (s / replicas, a / replicas, n / replicas)  # type: ignore[assignment]
+            jobs[fqn] = (value.to_local(), replicas)
         elif rank == 0:
-            out[fqn] = tensor_entry(value)
+            jobs[fqn] = (value, 1)
         else:
             out[fqn] = (0.0, 0.0, 0)
+    for fqn, (s, a, n), replicas in _entries(jobs, workers):
+        out[fqn] = (s / replicas, a / replicas, n / replicas) if replicas > 1 else (s, a, n)  # type: ignore
     return out
 
 
-def global_entries(flat: Mapping[str, object], group: Optional[object] = None) -> dict[str, Entry]:
-    """Fingerprint of the full logical state, all-reduced over ``group`` when distributed."""
+def _entries(jobs: Mapping[str, tuple[torch.Tensor, int]], workers: int) -> list:
+    """``(fqn, tensor_entry, replicas)`` of every job, on ``workers`` threads when more than one."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [(fqn, tensor_entry(t), r) for fqn, (t, r) in jobs.items()]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-fingerprint") as pool:
+        entries = list(pool.map(lambda job: tensor_entry(job[0]), jobs.values()))
+    return [(fqn, e, r) for (fqn, (_, r)), e in zip(jobs.items(), entries)]
+
+
+def global_entries(flat: Mapping[str, object], group: Optional[object] = None, workers: int = 1) -> dict[str, Entry]:
+    """Fingerprint of the full logical state, all-reduced over ``group`` when distributed (``local_entries``'s
+    ``workers``)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
-    local = local_entries(flat, rank)
+    local = local_entries(flat, rank, workers)
     if not distributed or dist.get_world_size(group) == 1:
         return local
     keys = sorted(local)

@@ -140,25 +140,32 @@ class CheckpointVerifier:
         if self.manifest.version < 2:
             self._verify_whole(f, name)
             return
-        expected = self.expected_item_crc(name, offset, length)
+        self.expected_item_crc(name, offset, length)
         sha = hashlib.sha256() if self.manifest.authenticated else None
         actual = crc_of_range(f, offset, length, sha=sha)
-        if actual != expected:
-            raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} fail their checksum "
-                                 f"(CRC32C {actual:#010x}, written as {expected:#010x})")
-        if sha is not None:
-            self.check_item_sha256(name, offset, length, sha.hexdigest())
+        self.check_item(name, offset, length, actual, None if sha is None else sha.hexdigest())
 
     def verify_bytes(self, name: str, offset: int, length: int, data: bytes) -> None:
         """Check the bytes of one DCP item already read into memory."""
         expected = self.expected_item_crc(name, offset, length)
-        actual = crc32c.crc32c(data) if len(data) == length else None
-        if actual != expected:
-            got = f"CRC32C {actual:#010x}" if actual is not None else f"{len(data)} bytes"
+        if len(data) != length:
             raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} fail their checksum "
-                                 f"({got}, written as {expected:#010x})")
+                                 f"({len(data)} bytes, written as {expected:#010x})")
+        sha = hashlib.sha256(data).hexdigest() if self.manifest.authenticated else None
+        self.check_item(name, offset, length, crc32c.crc32c(data), sha)
+
+    def check_item(self, name: str, offset: int, length: int, crc: int, sha256: Optional[str]) -> None:
+        """Check one DCP item whose CRC32C (and SHA-256: required for a signed manifest) the caller computed
+        over exactly its ``length`` bytes."""
+        expected = self.expected_item_crc(name, offset, length)
+        if crc != expected:
+            raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} fail their checksum "
+                                 f"(CRC32C {crc:#010x}, written as {expected:#010x})")
         if self.manifest.authenticated:
-            self.check_item_sha256(name, offset, length, hashlib.sha256(data).hexdigest())
+            if sha256 is None:
+                raise IntegrityError(f"{self.where}/{name} bytes {offset}..{offset + length} were read without "
+                                     "their SHA-256, which the signed manifest requires")
+            self.check_item_sha256(name, offset, length, sha256)
 
     def check_item_sha256(self, name: str, offset: int, length: int, actual: str) -> None:
         """For an authenticated manifest: the SHA-256 of one item against the one its signed writer recorded."""

@@ -80,6 +80,17 @@ def test_fingerprint_stays_finite_where_float32_row_sums_overflow():
     assert fp.tensor_entry(t)[0] == float("inf")
 
 
+def test_fingerprint_on_threads_equals_the_serial_one():
+    """A restore sums tensors on several threads: the same entries, bit for bit; rank 1 contributes replicated
+    tensors as zeros either way."""
+    g = torch.Generator().manual_seed(3)
+    flat = {f"model.p{i}": torch.randn(1000 + 4099 * i, generator=g) for i in range(6)}
+    flat.update({"optim.step": torch.tensor(7.0), "ranks.0": torch.ones(3)})
+    assert fp.local_entries(flat, 0, workers=3) == fp.local_entries(flat, 0, workers=1)
+    assert fp.local_entries(flat, 1, workers=3) == fp.local_entries(flat, 1) == {k: (0.0, 0.0, 0) for k in flat
+                                                                                 if k != "ranks.0"}
+
+
 def test_nonfinite_state_is_unhealthy_but_compares_equal_to_itself():
     t = torch.tensor([1.0, float("nan")])
     e = {"model.w": fp.tensor_entry(t)}
