@@ -463,7 +463,19 @@ def tensor_bytes(obj: Any) -> int:
 
 # ----------------------------------------------------------------- storage
 def fsync_write(path: str, tensors: list, chunk: int = 64 * MiB) -> int:
-    """Write the bytes of ``tensors`` sequentially to ``path`` and fsync it (the storage limit)."""
+    """Write the bytes of ``tensors`` sequentially to ``path`` and fsync it (the storage limit); the bytes written."""
+    return timed_write(path, tensors, chunk)["bytes"]
+
+
+def timed_write(path: str, tensors: list, chunk: int = 64 * MiB) -> dict:
+    """``fsync_write`` in two timed phases: the write syscalls (a copy into the page cache), then the fsyncs.
+
+    Returns wall and thread CPU seconds of each phase (``write_s``/``write_cpu_s``,
+    ``fsync_s``/``fsync_cpu_s``; the fsyncs include the directory's) and their
+    total wall time ``total_s``, and the ``bytes`` written. Writeback done by
+    kernel threads is nobody's thread CPU time and is not counted.
+    """
+    t0, c0 = time.perf_counter(), time.thread_time()
     n = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -473,33 +485,6 @@ def fsync_write(path: str, tensors: list, chunk: int = 64 * MiB) -> int:
             while off < len(mv):
                 off += os.write(fd, mv[off : off + chunk])
             n += len(mv)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return n
-
-
-def timed_write(path: str, tensors: list, chunk: int = 64 * MiB) -> dict:
-    """``fsync_write`` in two timed phases: the write syscalls (a copy into the page cache), then the fsyncs.
-
-    Returns wall and thread CPU seconds of each phase (``write_s``/``write_cpu_s``,
-    ``fsync_s``/``fsync_cpu_s``; the fsyncs include the directory's) and their
-    total wall time ``total_s``. Writeback done by kernel threads is nobody's
-    thread CPU time and is not counted.
-    """
-    t0, c0 = time.perf_counter(), time.thread_time()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in tensors:
-            mv = memoryview(t.numpy()).cast("B")
-            off = 0
-            while off < len(mv):
-                off += os.write(fd, mv[off : off + chunk])
         t1, c1 = time.perf_counter(), time.thread_time()
         os.fsync(fd)
     finally:
@@ -511,7 +496,7 @@ def timed_write(path: str, tensors: list, chunk: int = 64 * MiB) -> dict:
         os.close(dir_fd)
     t2, c2 = time.perf_counter(), time.thread_time()
     return {"write_s": t1 - t0, "write_cpu_s": c1 - c0, "fsync_s": t2 - t1, "fsync_cpu_s": c2 - c1,
-            "total_s": t2 - t0}
+            "total_s": t2 - t0, "bytes": n}
 
 
 def evict_page_cache(root: str) -> int:

@@ -194,6 +194,45 @@ def _all_progress(path: str) -> list[dict]:
     return out
 
 
+def _kill_at(spec: dict, log_path: Path, tmp: str, kill_at: int, timeout: float) -> tuple[dict, float]:
+    """Launch the training worker, SIGKILL its process group once it reports step ``kill_at``: (last progress, time)."""
+    proc, _ = _launch(spec, log_path, tmp)
+    deadline = time.time() + timeout
+    while True:
+        last = _last_progress(spec["progress"])
+        if last is not None and last["step"] >= kill_at:
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"training worker exited early (rc={proc.returncode}):\n{C.tail(log_path)}")
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"training worker did not reach step {kill_at} in {timeout}s")
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer, its ranks and DCP's writer processes
+    t_kill = time.time()
+    proc.wait()
+    time.sleep(0.2)
+    return _last_progress(spec["progress"]) or last, t_kill
+
+
+def _resume(spec: dict, log_path: Path, tmp: str, timeout: float) -> list:
+    """Launch the resume worker and wait for it: what each of its ranks reported."""
+    proc, _ = _launch(spec, log_path, tmp)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError(f"resume worker timed out after {timeout}s")
+    try:  # stragglers of the resume worker's process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if rc != 0 or not os.path.exists(spec["result_path"]):
+        raise RuntimeError(f"resume worker failed (rc={rc}):\n{C.tail(log_path)}")
+    with open(spec["result_path"]) as f:
+        return json.load(f)
+
+
 def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng: random.Random) -> dict:
     from ckpt_core import list_records
 
@@ -204,24 +243,7 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         progress = os.path.join(tmp, "progress.jsonl")
         spec = {**base, "role": "train", "root": root, "progress": progress, "max_steps": 10 * args.every + kill_at,
                 "label": f"cycle {i} (kill at step {kill_at})"}
-        proc, _ = _launch(spec, log_path, tmp)
-        deadline = time.time() + args.timeout
-        last = None
-        while True:
-            last = _last_progress(progress)
-            if last is not None and last["step"] >= kill_at:
-                break
-            if proc.poll() is not None:
-                raise RuntimeError(f"training worker exited early (rc={proc.returncode}):\n{C.tail(log_path)}")
-            if time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise RuntimeError(f"training worker did not reach step {kill_at} in {args.timeout}s")
-            time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer, its ranks and DCP's writer processes
-        t_kill = time.time()
-        proc.wait()
-        time.sleep(0.2)
-        last = _last_progress(progress) or last
+        last, t_kill = _kill_at(spec, log_path, tmp, kill_at, args.timeout)
         steps = _all_progress(progress)
         step_s = C.median([s["dt"] for s in steps[1:]])
         records = list_records(root)
@@ -234,20 +256,7 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         spec = {**base, "role": "resume", "root": root, "result_path": os.path.join(tmp, "result.json"),
                 "label": f"cycle {i}"}
         t_launch = time.time()
-        proc, _ = _launch(spec, log_path, tmp)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise RuntimeError(f"resume worker timed out after {args.timeout}s")
-        try:  # stragglers of the resume worker's process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if rc != 0 or not os.path.exists(spec["result_path"]):
-            raise RuntimeError(f"resume worker failed (rc={rc}):\n{C.tail(log_path)}")
-        with open(spec["result_path"]) as f:
-            gathered = json.load(f)
+        gathered = _resume(spec, log_path, tmp, args.timeout)
         read = [cold_read(r.path) for r in list_records(root) if r.step == gathered[0]["restored_step"]]
     C.rmtree(root)
     r0 = gathered[0]

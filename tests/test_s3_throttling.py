@@ -10,7 +10,6 @@ restore must still load the saved tensors.
 from __future__ import annotations
 
 import io
-import re
 import threading
 from typing import Any, Callable
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.scale import OBJECT_RE, delete_objects_failing
 from ckpt_core import CheckpointManager, TrainState
 from ckpt_core.discovery import list_records
 from ckpt_core.storage import get_fs, remove_tree
@@ -26,7 +26,6 @@ pytest.importorskip("s3fs", reason="the s3 extra is part of the test install")
 pytest.importorskip("moto", reason="the s3 extra is part of the test install")
 
 _SLOWDOWN = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-_OBJECT_RE = re.compile(rb"<Object>\s*<Key>(.*?)</Key>.*?</Object>", re.S)
 
 
 class Faults:
@@ -66,24 +65,9 @@ class Faults:
 
     def _delete_objects(self, environ: dict, body: bytes, start_response: Callable) -> Any:
         with self.lock:
-            failed = {m.span(): m.group(1) for m in _OBJECT_RE.finditer(body) if self.fail_key(m.group(1).decode())}
-            self.keys_failed += [k.decode() for k in failed.values()]
-        kept = _OBJECT_RE.sub(lambda m: b"" if m.span() in failed else m.group(0), body)
-        errors = b"".join(b"<Error><Key>" + k + b"</Key><Code>SlowDown</Code><Message>Please reduce your request "
-                          b"rate.</Message></Error>" for k in failed.values())
-        if not _OBJECT_RE.search(kept):
-            out = b"<DeleteResult>" + errors + b"</DeleteResult>"
-            start_response("200 OK", [("Content-Type", "application/xml"), ("Content-Length", str(len(out)))])
-            return [out]
-        for h in [h for h in environ if h.startswith(("HTTP_X_AMZ_CHECKSUM", "HTTP_CONTENT_MD5"))]:
-            del environ[h]
-        environ.update({"wsgi.input": io.BytesIO(kept), "CONTENT_LENGTH": str(len(kept))})
-        status: list = []
-        out = b"".join(self.app(environ, lambda s, h, *a: status.append((s, h))))
-        out = out.replace(b"</DeleteResult>", errors + b"</DeleteResult>")
-        headers = [(k, v) for k, v in status[0][1] if k.lower() != "content-length"]
-        start_response(status[0][0], [*headers, ("Content-Length", str(len(out)))])
-        return [out]
+            failed = [m for m in OBJECT_RE.finditer(body) if self.fail_key(m.group(1).decode())]
+            self.keys_failed += [m.group(1).decode() for m in failed]
+        return delete_objects_failing(self.app, environ, body, failed, start_response)
 
 
 @pytest.fixture(scope="module")
