@@ -121,8 +121,10 @@ def _launch(tmp_path: Path, name: str, scenario: str, mode: str) -> subprocess.P
     cmd = [sys.executable, str(WORKERS / "many_writers_worker.py"), "--root", str(root),
            "--control", str(root / "control.json"), "--scenario", scenario, "--mode", mode]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # A child inherits an ignored SIGINT, and Python then keeps ignoring Ctrl-C: whatever an earlier test of this
+    # pytest process left installed, the worker starts with the default disposition, as from a shell.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _running(p: psutil.Process) -> bool:
