@@ -215,24 +215,6 @@ def _kill_at(spec: dict, log_path: Path, tmp: str, kill_at: int, timeout: float)
     return _last_progress(spec["progress"]) or last, t_kill
 
 
-def _resume(spec: dict, log_path: Path, tmp: str, timeout: float) -> list:
-    """Launch the resume worker and wait for it: what each of its ranks reported."""
-    proc, _ = _launch(spec, log_path, tmp)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise RuntimeError(f"resume worker timed out after {timeout}s")
-    try:  # stragglers of the resume worker's process group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if rc != 0 or not os.path.exists(spec["result_path"]):
-        raise RuntimeError(f"resume worker failed (rc={rc}):\n{C.tail(log_path)}")
-    with open(spec["result_path"]) as f:
-        return json.load(f)
-
-
 def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng: random.Random) -> dict:
     from ckpt_core import list_records
 
@@ -253,10 +235,10 @@ def run_cycle(args: argparse.Namespace, base: dict, i: int, log_path: Path, rng:
         lost = last["step"] - newest
         evicted = 0 if args.warm else C.evict_page_cache(root)
         # resume
-        spec = {**base, "role": "resume", "root": root, "result_path": os.path.join(tmp, "result.json"),
+        spec = {**base, "role": "resume", "root": root,
                 "label": f"cycle {i}"}
         t_launch = time.time()
-        gathered = _resume(spec, log_path, tmp, args.timeout)
+        gathered = C.run_worker("recovery", spec, args.timeout, log_path)
         read = [cold_read(r.path) for r in list_records(root) if r.step == gathered[0]["restored_step"]]
     C.rmtree(root)
     r0 = gathered[0]
