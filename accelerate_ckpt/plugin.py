@@ -194,7 +194,8 @@ class CheckpointPlugin:
         key = _root_key(root, self.settings.dirpath)
         if key not in self._extra_managers:
             settings = self.settings.replace(dirpath=key, keep_last=None, keep_every_n_steps=None,
-                                             keep_every_seconds=None, keep_best=None, handle_preemption=False)
+                                             keep_every_seconds=None, keep_best=None, handle_preemption=False,
+                                             local_every_n_steps=None)
             self._extra_managers[key] = CheckpointManager(settings=settings, env={}, argv=[],
                                                           metrics_callbacks=[_on_commit(self, key)])
         return self._extra_managers[key]
@@ -412,11 +413,15 @@ class CheckpointPlugin:
         if self._driver is not None:
             self._driver.drain()
 
-    def close(self) -> None:
-        """Flush the last save and release the core's resources. Safe to call twice."""
+    def close(self, completed: bool = False) -> None:
+        """Flush the last save and release the core's resources. Safe to call twice.
+
+        ``completed``: training ended without error (``accelerator.end_training()`` says so), so the local
+        tier's snapshots of this job are removed (``local_cleanup``).
+        """
         try:
             for mgr in self._managers():
-                mgr.close()
+                mgr.close(completed=completed)
         finally:
             self._drain_metrics()
 
@@ -438,7 +443,7 @@ class CheckpointPlugin:
         return skipping
 
     def _end_training(self) -> None:
-        self.close()
+        self.close(completed=True)
         self._orig["end_training"]()
 
 

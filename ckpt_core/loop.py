@@ -73,7 +73,7 @@ def load_model_weights(model: Any, target: str, settings: CheckpointSettings) ->
     if "path" in where and parse_step_dirname(where["path"]) is None:
         root = parent(where["path"])
     reader = settings.replace(dirpath=root, async_mode="off", handle_preemption=False, resume=True, resume_step=None,
-                              every_n_steps=None, every_seconds=None, interval=None)
+                              every_n_steps=None, every_seconds=None, interval=None, local_every_n_steps=None)
     state = TrainState(model=model, rng=False)
     with CheckpointManager(settings=reader, env={}, argv=[]) as manager:
         rec = manager.restore(state, path=where.get("path"), set_aside_newer=False, weights_only=True)
@@ -148,7 +148,8 @@ class LoopDriver:
         if root is None or same_root(root, manager.root, manager.settings.storage_options):
             return manager.restore(state, step=step)
         other = manager.settings.replace(dirpath=str(root), async_mode="off", handle_preemption=False, resume=True,
-                                         resume_step=None, every_n_steps=None, every_seconds=None, interval=None)
+                                         resume_step=None, every_n_steps=None, every_seconds=None, interval=None,
+                                         local_every_n_steps=None)
         with CheckpointManager(settings=other, env={}, argv=[]) as reader:
             return reader.restore(state, step=step, set_aside_newer=False)
 

@@ -40,7 +40,8 @@ from .lease import LeaseError, LeaseHeldError, LeaseLostError, job_run_id
 from .manifest import ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
 from .rank_loss import FailFast, is_collective_failure, rank_lost
-from .records import CheckpointInfo
+from .local_tier import LocalTier, local_group
+from .records import CheckpointInfo, CheckpointRecord
 from .restorer import Restorer
 from .resume_check import LOSSES_NAME, ResumeCheck, recorded_losses
 from .retainer import Retainer
@@ -146,9 +147,22 @@ class CheckpointManager:
         self._run_id: str = self._group.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
         self._lease: Optional[lease_holder.RootLease] = None
         self._lease_finalizer: Optional[weakref.finalize] = None
+        self._local: Optional[LocalTier] = self._make_local_tier()
         if _saves(s):  # a run that saves by itself takes the root's lease at start: a second job is refused now
             self._guard_lease()
         _LIVE.add(self)
+
+    def _make_local_tier(self) -> Optional[LocalTier]:
+        """The local tier when ``local_every_n_steps`` is set (collective: its gloo group is created here)."""
+        s = self.settings
+        if s.local_every_n_steps is None:
+            return None
+        run_id, source = job_run_id(s.run_id, os.environ)
+        if source in ("this process", "the torchrun agent"):
+            log.warning("ckpt_core: local tier: the job id comes from %s, so a relaunched job will not find its "
+                        "snapshots; set run_id (or torchrun --rdzv-id, SLURM_JOB_ID)", source)
+        pg = local_group(self.world_size, s.collective_timeout_s)
+        return LocalTier(s, self.rank, self.world_size, run_id, self._ctl, pg)
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]] = None) -> bool:
@@ -175,6 +189,8 @@ class CheckpointManager:
         if signum is not None:
             self.wait()
             raise Preempted(step, signum, self.settings.preemption_exit_code)
+        if self._local is not None and self._local.due(step):
+            self._local.snapshot(step, state)
         if self._exchanges:  # this call's flags, read at the next exchange: a signal and rank 0's clock
             self._flags.end(lambda: [self._local_signal() or 0, int(self.rank == 0 and self._time_due())])
         return saved
@@ -459,14 +475,21 @@ class CheckpointManager:
 
     # -------------------------------------------------------------- lifecycle
     def wait(self) -> None:
-        """Block until the in-flight save is committed and retention has run."""
+        """Block until the in-flight save is committed and retention has run (and the local tier's snapshot in
+        flight is committed and replicated)."""
         inflight = self._saver.inflight
         with FailFast("save", inflight.step if inflight is not None else None, self.settings.collective_timeout_s):
             self._poll(block=True)
+            if self._local is not None:
+                self._local.wait()
         self._retainer.wait()
 
-    def close(self) -> None:
-        """Flush and release staging buffers, threads and signal handlers. Safe to call twice."""
+    def close(self, completed: bool = False) -> None:
+        """Flush and release staging buffers, threads and signal handlers. Safe to call twice.
+
+        ``completed``: training ended without error, so the local tier's snapshots of this job are
+        removed (``local_cleanup``); collective then.
+        """
         if self._closed:
             return
         idle = False
@@ -474,6 +497,9 @@ class CheckpointManager:
             with FailFast("save", None, self.settings.collective_timeout_s):
                 self._flags.drain()  # every rank issued it at its last maybe_save
             self.wait()
+            if self._local is not None:
+                with FailFast("save", None, self.settings.collective_timeout_s):
+                    self._local.close(completed)
             idle = True
         finally:
             self._closed = True
@@ -495,7 +521,8 @@ class CheckpointManager:
         After a failure a collective may still wait for a lost rank; the groups are only dropped then.
         """
         if destroy:
-            release_groups(self._pg, getattr(self._ctl, "group", None))
+            release_groups(self._pg, getattr(self._ctl, "group", None),
+                           self._local.process_group if self._local is not None else None)
         self._pg = None
         self._exchanges = False
         self._group = self._ctl = TorchRankGroup(None, enabled=False)
@@ -509,8 +536,8 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(completed=exc_type is None)
 
     # ---------------------------------------------------------------- restore
     def list(self) -> list[CheckpointInfo]:
@@ -553,8 +580,14 @@ class CheckpointManager:
 
     def _restore(self, state: TrainState, step: Optional[int], path: Optional[str], set_aside_newer: bool,
                  weights_only: bool) -> Optional[CheckpointInfo]:
+        automatic = step is None and path is None and not weights_only
+        rec = self._restore_local(state) if automatic and self._local is not None else None
+        if rec is not None:
+            return rec
         rec, committed = self._restorer.restore(state, step, path, weights_only)
         self._committed |= committed
+        if self._local is not None and not weights_only:  # the run goes on from here: later snapshots go
+            self._local.after_restore(rec.step if rec is not None else None)
         if rec is None:
             return None
         self.resumed_from = rec.step
@@ -569,6 +602,32 @@ class CheckpointManager:
             self._restorer.set_aside_newer(rec.step)
             self._committed = {c for c in self._committed if c <= rec.step}
         return rec
+
+
+    def _restore_local(self, state: TrainState) -> Optional[CheckpointInfo]:
+        """The local tier's newest complete snapshot, when newer than the durable tier's newest (collective)."""
+        assert self._local is not None
+        durable = self._group.broadcast(_newest_step(self.root, self.settings.storage_options)
+                                        if self.rank == 0 else None)
+        snapshot = self._local.recover(state, durable)
+        if snapshot is None:
+            return None
+        self._local.after_restore(snapshot.step)
+        rec = CheckpointRecord(step=snapshot.step, path=self._local.job_dir, committed=True,
+                               world_size=snapshot.world_size, epoch=snapshot.epoch, wall_time=snapshot.wall_time)
+        self.resumed_from = rec.step
+        self._last_save_time = self._last_commit_time = time.monotonic()
+        self._last_commit_step = rec.step
+        if self.rank == 0:
+            self._resume_check.resumed({})
+            log.info("ckpt_core: resumed from the local tier at step %d (durable tier's newest: step %s)",
+                     rec.step, durable)
+        return rec
+
+
+def _newest_step(root: str, storage_options: Mapping[str, Any]) -> Optional[int]:
+    cands = choose_for_restore(list_records(root, storage_options))
+    return cands[0].step if cands else None
 
 
 def _saves(s: CheckpointSettings) -> bool:

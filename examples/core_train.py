@@ -75,6 +75,10 @@ def main() -> None:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None, help="only this rank dies (default: all)")
+    p.add_argument("--commit-before-kill", action="store_true",
+                   help="wait until the saves and local snapshots in flight are committed, then die")
+    p.add_argument("--local-every", type=int, default=None,
+                   help="local tier: snapshot into node memory every N steps (local_every_n_steps)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--trace", default=None, help="directory for per-step JSON lines")
     p.add_argument("--storage-options", default=None, help="JSON fsspec options for --root")
@@ -88,7 +92,7 @@ def main() -> None:
     model, opt, sched, loader = build(args)
     state = TrainState(model=model, optimizers=opt, schedulers=sched, dataloader=loader)
     manager = CheckpointManager(args.root, every_n_steps=args.every, async_mode=args.async_mode,
-                                keep_last=args.keep_last,
+                                keep_last=args.keep_last, local_every_n_steps=args.local_every,
                                 storage_options=json.loads(args.storage_options or "{}"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -122,10 +126,12 @@ def main() -> None:
             state.epoch = loader.epoch
             manager.maybe_save(step, state)
             if step == args.kill_at_step and attempt == 0 and args.kill_rank in (None, rank):
+                if args.commit_before_kill:
+                    manager.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= args.steps:
                 break
-    manager.close()
+    manager.close(completed=True)  # a clean end: the local tier's snapshots of this job are removed
     if args.out:
         out = f"{args.out}.rank{rank}"
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

@@ -92,6 +92,9 @@ class DistributedCheckpoint(Checkpoint):
         handle_preemption: On SIGTERM/SIGUSR1, save at the next step boundary on every rank and exit with
             code 143 (``ckpt_core.Preempted``), before Lightning's own SIGTERM handling stops the run.
         exception_timeout_s: How long ranks wait for each other before an exception checkpoint.
+        local_every_n_train_steps: Local tier: also snapshot every N steps into node memory (``local_dir``),
+            replicated to a peer node; a restart resumes from it when it is newer than ``dirpath``'s newest.
+        local_dir: Local tier: the node-local directory of snapshots (default ``/dev/shm/ckpt-<uid>``).
         settings: Further ``ckpt_core.CheckpointSettings`` (``writer_threads``, ``storage_options``,
             ``on_save_error``, ``max_host_memory_bytes``...); the arguments above that are given take precedence.
         env: where ``CKPT_<NAME>`` variables are read (default ``os.environ``; ``{}`` reads none).
@@ -118,6 +121,8 @@ class DistributedCheckpoint(Checkpoint):
         resume_step: Optional[int] = None,
         handle_preemption: Optional[bool] = None,
         exception_timeout_s: float = 30.0,
+        local_every_n_train_steps: Optional[int] = None,
+        local_dir: Optional[Union[str, Path]] = None,
         settings: Optional[CheckpointSettings] = None,
         env: Optional[Mapping[str, str]] = None,
         argv: Optional[Sequence[str]] = None,
@@ -144,6 +149,8 @@ class DistributedCheckpoint(Checkpoint):
             resume=resume,
             resume_step=resume_step,
             handle_preemption=handle_preemption,
+            local_every_n_steps=local_every_n_train_steps,
+            local_dir=None if local_dir is None else str(local_dir),
         )
         code = {k: v for k, v in given.items() if v is not None}  # an argument left out does not override settings
         self._given_settings = settings
@@ -169,6 +176,7 @@ class DistributedCheckpoint(Checkpoint):
         self._pending: Optional[tuple[int, Any]] = None  # (step, loss) whose save waits for its validation
         self._validating_in_fit = False
         self._driver: Optional[LoopDriver] = None
+        self._completed = False  # training ended without an exception: the local tier's snapshots can go
 
     def _runtime_settings(self, trainer: "pl.Trainer") -> CheckpointSettings:
         """The resolved settings, with what only the trainer knows filled in where nothing set it."""
@@ -399,10 +407,11 @@ class DistributedCheckpoint(Checkpoint):
             if self._pending is not None:
                 self._step_done(trainer)
             self._driver.finish()
+        self._completed = True
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._close(trainer)
+            self._close(trainer, completed=self._completed)
         elif self._connector_patched is not None:
             self._connector_patched.__dict__.pop("resume_start", None)
             self._connector_patched = None
@@ -458,11 +467,11 @@ class DistributedCheckpoint(Checkpoint):
         return (trainer.global_step == step > self._start_step
                 and progress.ready == progress.started == progress.processed == processed)
 
-    def _close(self, trainer: "pl.Trainer", raise_errors: bool = True) -> None:
+    def _close(self, trainer: "pl.Trainer", raise_errors: bool = True, completed: bool = False) -> None:
         try:
             if self.manager is not None:
                 try:
-                    self.manager.close()
+                    self.manager.close(completed=completed)
                 except Exception as e:  # noqa: BLE001
                     if raise_errors:
                         raise

@@ -130,6 +130,20 @@ class CheckpointSettings:
                                         "agent, else one per process.",
                                   lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 200),
                                   "a non-empty string of at most 200 characters or None")
+    local_every_n_steps: Optional[int] = _pos_int(
+        None, "local tier: snapshot every N steps into node memory (local_dir), replicated to a peer node; "
+              "recovery takes it when it is newer than the durable tier. None: off.")
+    local_dir: Optional[str] = _spec(None, "local tier: the node-local directory of snapshots (default "
+                                           "/dev/shm/ckpt-<uid>: node memory that outlives the process, not the node).",
+                                     lambda v: v is None or (isinstance(v, str) and bool(v)), "a path or None")
+    local_keep: int = _count(1, "local tier: snapshots kept per rank (one more slot is written while they stay).",
+                             low=1)
+    replication_factor: Optional[int] = _pos_int(
+        None, "local tier: copies of each snapshot, each on another node (default 2 when the job spans nodes, "
+              "else 1).")
+    local_node_size: Optional[int] = _pos_int(
+        None, "local tier: ranks per node (the failure domain); default LOCAL_WORLD_SIZE (torchrun), else all.")
+    local_cleanup: bool = _flag(True, "local tier: remove the job's snapshots when training ends without error.")
     max_host_memory_bytes: Optional[int] = _pos_int(
         None, "bound on staging memory; larger states save synchronously.")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "

@@ -1,0 +1,474 @@
+"""The local tier: snapshots in node memory every few steps, replicated to peer nodes, recovered first.
+
+``LocalTier.snapshot`` copies this rank's state into a memory-mapped slot
+file under ``local_dir`` (the stall: one host copy); a background thread
+seals it (CRC32C, fingerprint), commits its record and sends it to the ranks
+on other nodes that keep its replicas (``local_layout``), committing theirs
+as they arrive. ``LocalTier.recover`` (collective) finds the newest step that
+every rank's snapshot is held for on some node, moves the missing ones over
+the network, checks and applies them; anything else goes to the durable tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import threading
+import time
+from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from . import fingerprint as fp
+from . import local_layout as layout
+from . import local_snapshot as snap
+from .collectives import RankGroup, first_problem
+from .config import CheckpointSettings
+from .errors import RestoreError, describe
+from .local_transfer import Incoming, Outgoing, exchange
+from .state import RANK_KEY, StateMismatchError, TrainState
+
+log = logging.getLogger("ckpt_core")
+
+DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --shm-size, a Kubernetes emptyDir with "
+               "medium: Memory); give it more room, lower local_keep, or set local_dir to another directory")
+
+
+class LocalTierError(RuntimeError):
+    """The local tier cannot run as configured (no room, an unsafe directory); raised before training starts."""
+
+
+def default_local_dir() -> str:
+    return f"/dev/shm/ckpt-{os.getuid()}"
+
+
+def job_key(run_id: str) -> str:
+    """The directory name of one job's snapshots: another job never reads them."""
+    return "job-" + hashlib.sha256(run_id.encode()).hexdigest()[:16]
+
+
+def _before_replica_commit(owner: int, step: int) -> None:
+    """Called before a received replica is committed (tests replace it to stop a run mid-replication)."""
+
+
+class LocalTier:
+    """This rank's side of the local tier; every rank makes one (collective use, like the manager)."""
+
+    def __init__(self, settings: CheckpointSettings, rank: int, world_size: int, run_id: str, group: RankGroup,
+                 process_group: Any) -> None:
+        self.every = settings.local_every_n_steps
+        self.keep = settings.local_keep
+        self.rank, self.world_size = rank, world_size
+        env_size = os.environ.get("LOCAL_WORLD_SIZE")
+        self.node_size = settings.local_node_size or (int(env_size) if env_size and env_size.isdigit() else
+                                                      world_size)
+        self.factor = settings.replication_factor or layout.default_factor(world_size, self.node_size)
+        problem = layout.layout_problem(world_size, self.node_size, self.factor)
+        if problem is not None:
+            raise LocalTierError(f"local tier: {problem}")
+        self.root = os.path.abspath(settings.local_dir or default_local_dir())
+        self.job = job_key(run_id)
+        self.job_dir = os.path.join(self.root, self.job)
+        self.cleanup_at_end = settings.local_cleanup
+        self._group, self.process_group = group, process_group
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-local")
+        self._pending: Optional[Future] = None
+        self._slots: dict[int, dict[int, Optional[int]]] = {}  # owner -> slot -> committed step
+        self._maps: dict[str, torch.Tensor] = {}  # slot path -> its mapping (reused while the size stays)
+        self._lock = threading.Lock()
+        self._space_checked = False
+        self._started = False
+        self._other_worlds: set[int] = set()
+        self.last_step: Optional[int] = None
+        self.replicated_step: Optional[int] = None
+        self.last_stall_s = 0.0
+        self.last_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------- files
+    def owner_dir(self, owner: int) -> str:
+        return os.path.join(self.job_dir, f"rank_{owner}")
+
+    def _ensure_dirs(self, owner: int) -> str:
+        for d in (self.root, self.job_dir, self.owner_dir(owner)):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            _check_private(d)
+        return self.owner_dir(owner)
+
+    def _slot_map(self, owner: int) -> dict[int, Optional[int]]:
+        with self._lock:
+            if owner not in self._slots:
+                slots: dict[int, Optional[int]] = {k: None for k in range(self.keep + 1)}
+                for step, path in snap.list_records(self.owner_dir(owner)).items():
+                    rec = _read_record(path)
+                    if rec is not None and rec.slot in slots and (slots[rec.slot] or -1) < step:
+                        slots[rec.slot] = step
+                self._slots[owner] = slots
+            return self._slots[owner]
+
+    def _claim_slot(self, owner: int, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A slot to write ``owner``'s next snapshot into (its old record removed first), mapped."""
+        directory = self._ensure_dirs(owner)
+        slots = self._slot_map(owner)
+        k = layout.slot_to_reuse(slots)
+        for step, path in snap.list_records(directory).items():  # every record that points at slot k goes first
+            rec = _read_record(path)
+            if rec is None or rec.slot == k:
+                snap.uncommit(directory, step)
+        slots[k] = None
+        path = snap.slot_path(directory, k)
+        mapped = self._maps.get(path)
+        if mapped is None or mapped.numel() != nbytes:
+            self._maps.pop(path, None)
+            mapped = self._maps[path] = snap.open_slot(path, nbytes)
+        return k, mapped
+
+    # -------------------------------------------------------------- save
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0 and step != self.last_step
+
+    def snapshot(self, step: int, state: TrainState) -> bool:
+        """Stage this rank's state (collective: every rank at the same steps); the rest runs in the background.
+
+        A rank whose staging fails still takes part in the replication round (sending nothing), so that
+        its peers' rounds end; the durable tier goes on protecting the run.
+        """
+        t0 = time.monotonic()
+        self._wait_pending()
+        state.step = step
+        cap = snap.capture(state)
+        if not self._started:  # no restore ran: snapshots left by an earlier incarnation of the job do not count
+            self.after_restore(None)
+        if not self._space_checked:
+            self.check_space(cap.data_bytes + len(cap.small) + len(cap.others))
+        self.last_step = step
+        staged: Optional[tuple[int, torch.Tensor]] = None
+        try:
+            staged = self._claim_slot(self.rank, cap.data_bytes)
+            snap.stage(cap, staged[1])
+        except OSError as e:
+            self._failed(step, e)
+            staged = None
+        self._pending = self._pool.submit(self._seal_and_replicate, step, cap, staged)
+        self.last_stall_s = time.monotonic() - t0
+        return staged is not None
+
+    def wait(self) -> None:
+        """Until the snapshot in flight is committed here and at its replicas (failures are logged, not raised)."""
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        if self._pending is None:
+            return
+        try:
+            self._pending.result()
+        except Exception as e:  # noqa: BLE001 - reported; the durable tier still protects the run
+            self._failed(self.last_step, e)
+        self._pending = None
+
+    def _failed(self, step: Optional[int], e: BaseException) -> None:
+        self.last_error = e
+        log.warning("ckpt_core: local snapshot of step %s failed: %s; the durable tier still protects the run",
+                    step, describe(e))
+
+    def _seal_and_replicate(self, step: int, cap: snap.Capture, staged: Optional[tuple[int, torch.Tensor]]) -> None:
+        """In the background: seal and commit the staged snapshot, then the replication round of ``step``."""
+        sent: Optional[Outgoing] = None
+        if staged is not None:
+            try:
+                slot, data = staged
+                rec = snap.seal(cap, data, self.job, self.rank, self.world_size, slot)
+                extra = cap.small + cap.others
+                snap.commit(self.owner_dir(self.rank), rec, extra)
+                self._slot_map(self.rank)[slot] = rec.step
+                sent = Outgoing(-1, rec.to_json(), data, extra)
+            except (OSError, snap.SnapshotError) as e:
+                self._failed(step, e)
+        if self.factor > 1 and self.process_group is not None:
+            self._replicate(step, sent)
+            self.replicated_step = step if sent is not None else self.replicated_step
+
+    def _replicate(self, step: int, sent: Optional[Outgoing]) -> None:
+        """Send this rank's snapshot (``sent``; None: nothing) to the ranks keeping its replicas; receive and
+        commit the ones kept here."""
+        targets = layout.replica_targets(self.rank, self.world_size, self.node_size, self.factor)
+        outgoing = [Outgoing(dst, sent.record, sent.data, sent.extra) if sent is not None else Outgoing(dst)
+                    for dst in targets]
+        sources = layout.replica_sources(self.rank, self.world_size, self.node_size, self.factor)
+        claimed: dict[int, Optional[int]] = {}
+
+        def alloc(src: int, record: bytes, nbytes: int) -> torch.Tensor:
+            try:
+                slot, mapped = self._claim_slot(src, nbytes)
+            except OSError as e:  # no room for the replica: receive it anyway (the sender waits), keep nothing
+                log.warning("ckpt_core: no room for the replica of rank %d at step %d: %s", src, step, describe(e))
+                claimed[src] = None
+                return torch.empty(nbytes, dtype=torch.uint8)
+            claimed[src] = slot
+            return mapped
+
+        for inc in exchange(self.process_group, outgoing, sources, alloc):
+            slot = claimed.get(inc.src)
+            if inc.record and slot is not None:
+                self._commit_replica(inc, step, slot)
+
+    def _commit_replica(self, inc: Incoming, step: int, slot: int) -> None:
+        what = f"the replica of rank {inc.src}'s snapshot at step {step}"
+        try:
+            got = snap.parse_record(inc.record, what)
+            if (got.job, got.owner, got.step, got.world_size) != (self.job, inc.src, step, self.world_size):
+                raise snap.SnapshotError(f"{what} is a snapshot of rank {got.owner} at step {got.step}")
+            snap.check_bytes(got, inc.data, inc.extra, what)
+            _before_replica_commit(inc.src, step)
+            snap.commit(self.owner_dir(inc.src), replace(got, slot=slot), inc.extra)
+        except (OSError, snap.SnapshotError) as e:
+            log.warning("ckpt_core: %s is not kept: %s", what, describe(e))
+            return
+        self._slot_map(inc.src)[slot] = step
+
+    def check_space(self, own_bytes: int) -> None:
+        """Collective: ``LocalTierError`` on every rank when some node's ``local_dir`` lacks the room it needs."""
+        self._space_checked = True
+        need = layout.space_needed(own_bytes, self.keep, self.factor, self.node_size)
+        problem = None
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            _check_private(self.root)
+            free = shutil.disk_usage(self.root).free + _bytes_under(self.job_dir)
+            if need > free:
+                problem = ("space", f"local_dir {self.root} has {free / 2**20:.0f} MiB free, the local tier needs "
+                                    f"{need / 2**20:.0f} MiB on this node ((local_keep {self.keep} + 1) x "
+                                    f"{self.factor} copies x {self.node_size} ranks x {own_bytes / 2**20:.1f} MiB); "
+                                    f"{DOCKER_HINT}")
+        except (OSError, LocalTierError) as e:
+            problem = ("dir", str(e))
+        agreed = first_problem(self._group, problem)
+        if agreed is not None:
+            raise LocalTierError(agreed[1])
+        log.info("ckpt_core: local tier in %s: every %s steps, keep %d, replication factor %d (%d ranks per node), "
+                 "up to %.1f MiB of node memory per node", self.job_dir, self.every, self.keep, self.factor,
+                 self.node_size, need / 2**20)
+
+    # ------------------------------------------------------------ recover
+    def recover(self, state: TrainState, durable_step: Optional[int]) -> Optional[snap.SnapshotRecord]:
+        """Restore the newest step every rank can restore from node memory, if newer than ``durable_step``
+        (collective). None: the durable tier decides (the log says why)."""
+        self._wait_pending()
+        self.check_space(_state_bytes(state))
+        found = self._scan()
+        holdings = [layout.Holding(o, s, h) for h, mine in enumerate(self._group.all_gather(sorted(found)))
+                    for o, s in mine]
+        excluded: list[tuple[int, int]] = []
+        while True:
+            choice = layout.choose_recovery(holdings, self.world_size, self.node_size, durable_step, excluded)
+            if choice is None:
+                self._say_why_not(holdings, durable_step, excluded)
+                return None
+            step, sources = choice
+            loaded, rec, bad = self._fetch(step, sources, found, state)
+            problems = [p for p in self._group.all_gather(bad) if p is not None]
+            if not problems:
+                assert loaded is not None and rec is not None
+                return self._apply(loaded, rec, state)
+            for owner, node, why in problems:
+                if self.rank == 0:
+                        log.warning("ckpt_core: local snapshot of rank %d at step %d on node %d is not usable: %s",
+                                owner, step, node, why)
+                excluded.append((owner, node))
+        return None
+
+    def _scan(self) -> dict[tuple[int, int], snap.SnapshotRecord]:
+        """The committed snapshots of this job and world size that this rank looks for on its node (the world
+        sizes of the job's other snapshots go to ``_other_worlds``)."""
+        found = {}
+        for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
+            for step, path in snap.list_records(self.owner_dir(owner)).items():
+                rec = _read_record(path)
+                if rec is None or (rec.job, rec.owner, rec.step) != (self.job, owner, step):
+                    continue
+                if rec.world_size == self.world_size:
+                    found[(owner, step)] = rec
+                else:
+                    self._other_worlds.add(rec.world_size)
+        return found
+
+    def _say_why_not(self, holdings: list[layout.Holding], durable_step: Optional[int],
+                     excluded: list[tuple[int, int]]) -> None:
+        if self.rank != 0:
+            return
+        complete = layout.complete_steps(holdings, self.world_size)
+        if excluded:
+            log.warning("ckpt_core: local tier: no complete snapshot newer than the durable tier's step %s is "
+                        "usable (%d bad copies, named above); restoring from the durable tier", durable_step,
+                        len(excluded))
+        elif not holdings and self._other_worlds:
+            log.warning("ckpt_core: local tier: the snapshots of this job are for world size %s, this run has %d: "
+                        "resharding goes through the durable tier", "/".join(map(str, sorted(self._other_worlds))),
+                        self.world_size)
+        elif not holdings:
+            log.info("ckpt_core: local tier: no snapshot of this job at world size %d in %s; restoring from the "
+                     "durable tier (another world size reshards through the durable tier)", self.world_size,
+                     self.root)
+        elif not complete:
+            log.warning("ckpt_core: local tier: no step has a snapshot of every rank (lost nodes or replicas); "
+                        "restoring from the durable tier")
+        else:
+            log.info("ckpt_core: local tier: newest complete snapshot is step %d, the durable tier has step %s; "
+                     "restoring from the durable tier", complete[0], durable_step)
+
+    def _fetch(self, step: int, sources: dict[int, int], found: dict, state: TrainState
+               ) -> tuple[Optional[dict], Optional[snap.SnapshotRecord], Optional[tuple[int, int, str]]]:
+        """Read or receive this rank's snapshot of ``step`` and rebuild it into fresh buffers; the problem
+        ``(owner, node, why)`` when it is not usable."""
+        outgoing = [self._outgoing(found.get((o, step)), o) for o, h in sorted(sources.items())
+                    if h == self.rank and o != self.rank]
+        src = sources[self.rank]
+        remote = [src] if src != self.rank else []
+        node = layout.node_of(src, self.node_size)
+        try:
+            incoming = exchange(self.process_group, outgoing, remote, lambda _s, _r, n: torch.empty(n, dtype=torch.uint8))
+            if incoming:
+                inc = incoming[0]
+                if not inc.record:
+                    return None, None, (self.rank, node, "the holder could not read it")
+                rec = snap.parse_record(inc.record, f"rank {self.rank}'s snapshot at step {step} from rank {src}")
+                data, extra = inc.data, inc.extra
+            else:
+                rec, data, extra = self._read_own(step)
+            if (rec.job, rec.owner, rec.step, rec.world_size) != (self.job, self.rank, step, self.world_size):
+                raise snap.SnapshotError(f"the record is rank {rec.owner}'s snapshot at step {rec.step}")
+            snap.check_bytes(rec, data, extra, f"rank {self.rank}'s snapshot at step {step}")
+            return snap.rebuild(rec, data, extra, state), rec, None
+        except (snap.SnapshotError, StateMismatchError, OSError) as e:
+            return None, None, (self.rank, node, describe(e))
+
+    def _outgoing(self, rec: Optional[snap.SnapshotRecord], owner: int) -> Outgoing:
+        if rec is None:
+            return Outgoing(owner)
+        try:
+            directory = self.owner_dir(owner)
+            with open(os.path.join(directory, f"step_{rec.step}.json"), "rb") as f:
+                body = f.read()
+            data = torch.empty(rec.data_bytes, dtype=torch.uint8)
+            snap.read_exact(snap.slot_path(directory, rec.slot), data)
+            with open(os.path.join(directory, f"step_{rec.step}.extra"), "rb") as f:
+                extra = f.read()
+            return Outgoing(owner, body, data, extra)
+        except (OSError, snap.SnapshotError) as e:
+            log.warning("ckpt_core: cannot send rank %d's snapshot at step %d: %s", owner, rec.step, describe(e))
+            return Outgoing(owner)
+
+    def _read_own(self, step: int) -> tuple[snap.SnapshotRecord, torch.Tensor, bytes]:
+        directory = self.owner_dir(self.rank)
+        path = os.path.join(directory, f"step_{step}.json")
+        with open(path, "rb") as f:
+            rec = snap.parse_record(f.read(), path)
+        data = torch.empty(rec.data_bytes, dtype=torch.uint8)
+        snap.read_exact(snap.slot_path(directory, rec.slot), data)
+        with open(os.path.join(directory, f"step_{step}.extra"), "rb") as f:
+            extra = f.read()
+        return rec, data, extra
+
+    def _apply(self, loaded: dict, rec: snap.SnapshotRecord, state: TrainState) -> Optional[snap.SnapshotRecord]:
+        """Every rank holds a checked snapshot: rank 0's small state to all, check the progress, apply, verify."""
+        zero = self._group.broadcast(bytes(loaded[RANK_KEY][str(0)].numpy()) if self.rank == 0 else None)
+        loaded[RANK_KEY]["0"] = torch.frombuffer(bytearray(zero), dtype=torch.uint8)
+        wanted = {"own": self.rank, "zero": 0}
+        problem = None
+        try:
+            if state.saved_progress(loaded, wanted) != (rec.step, rec.epoch):
+                problem = ("progress", f"rank {self.rank}'s snapshot is not at step {rec.step}, epoch {rec.epoch}")
+        except ValueError as e:
+            problem = ("progress", str(e))
+        agreed = first_problem(self._group, problem)
+        if agreed is not None:
+            log.warning("ckpt_core: local snapshot at step %d is not usable: %s", rec.step, agreed[1])
+            return None
+        state.apply(loaded, wanted, self.world_size)
+        diffs = fp.compare(snap.expected_fingerprint(rec), snap.live_fingerprint(state))
+        if diffs:
+            raise RestoreError(f"after restoring step {rec.step} from the local tier the state differs from the "
+                               f"snapshot: {'; '.join(diffs[:5])}")
+        return rec
+
+    # ---------------------------------------------------------- lifecycle
+    def after_restore(self, step: Optional[int]) -> None:
+        """Collective, before training goes on from ``step`` (None: from scratch): drop this job's snapshots of
+        later steps (a run that did not continue), on every node, before any rank writes a new one."""
+        self._forget_after(step)
+        self._group.all_gather(None)
+        self._started = True
+
+    def _forget_after(self, step: Optional[int]) -> None:
+        for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
+            directory = self.owner_dir(owner)
+            for s in snap.list_records(directory):
+                if step is None or s > step:
+                    snap.uncommit(directory, s)
+        with self._lock:
+            self._slots.clear()
+
+    def close(self, completed: bool = False) -> None:
+        """Finish the snapshot in flight; after a completed run (``local_cleanup``) remove this job's snapshots."""
+        self._wait_pending()
+        self._pool.shutdown(wait=True)
+        self._maps.clear()
+        if completed and self.cleanup_at_end:
+            self._group.all_gather(None)  # every rank has finished replicating into this node
+            for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
+                shutil.rmtree(self.owner_dir(owner), ignore_errors=True)
+            try:
+                os.rmdir(self.job_dir)
+            except OSError:
+                pass  # another rank of the node removes it, or it still holds other ranks' snapshots
+
+
+def local_group(world_size: int, timeout_s: float) -> Any:
+    """The local tier's own gloo group (None on one rank): replication runs on it from a background thread, so
+    it never shares a group with the training thread's collectives. Collective: every rank creates it."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _read_record(path: str) -> Optional[snap.SnapshotRecord]:
+    try:
+        with open(path, "rb") as f:
+            return snap.parse_record(f.read(), path)
+    except FileNotFoundError:
+        return None
+    except (OSError, snap.SnapshotError) as e:
+        log.warning("ckpt_core: ignoring local snapshot record %s: %s", path, describe(e))
+        return None
+
+
+def _check_private(path: str) -> None:
+    """A directory the local tier reads must be this user's and not writable by others (``/dev/shm`` is shared)."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise LocalTierError(f"local_dir {path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}; "
+                             "the local tier only uses a directory of its own user that others cannot write")
+
+
+def _bytes_under(path: str) -> int:
+    total = 0
+    for base, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(base, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _state_bytes(state: TrainState) -> int:
+    cap_leaves = snap.capture(state)
+    return cap_leaves.data_bytes + len(cap_leaves.small) + len(cap_leaves.others)
+

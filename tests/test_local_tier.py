@@ -1,0 +1,278 @@
+"""The local tier in one process: its pure decisions, its record parser, and a real manager's snapshots.
+
+Several ranks and nodes, SIGKILL and replication are in ``test_local_tier_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckpt_core import CheckpointManager, TrainState
+from ckpt_core import local_layout as layout
+from ckpt_core import local_snapshot as snap
+from ckpt_core.local_tier import LocalTierError, job_key
+from helpers_ckpt import _train_step, assert_same_tree, tiny_model
+
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------- pure decisions
+@st.composite
+def layouts(draw):
+    node_size = draw(st.integers(1, 4))
+    nodes = draw(st.integers(1, 5))
+    factor = draw(st.integers(1, nodes))
+    return node_size * nodes, node_size, factor
+
+
+@FAST
+@given(layouts())
+def test_replicas_go_to_distinct_other_nodes_and_sources_mirror_targets(lay):
+    world, node_size, factor = lay
+    assert layout.layout_problem(world, node_size, factor) is None
+    for r in range(world):
+        targets = layout.replica_targets(r, world, node_size, factor)
+        assert len(targets) == factor - 1
+        nodes = {layout.node_of(t, node_size) for t in targets} | {layout.node_of(r, node_size)}
+        assert len(nodes) == factor  # every copy on its own node
+        for t in targets:
+            assert r in layout.replica_sources(t, world, node_size, factor)
+    # every rank's scanning share covers each owner exactly once per node
+    for node in range(world // node_size):
+        ranks = range(node * node_size, (node + 1) * node_size)
+        shares = sorted(o for r in ranks for o in layout.owners_scanned_by(r, world, node_size))
+        assert shares == list(range(world))
+
+
+def test_layout_problems_name_the_setting_to_change():
+    assert "local_node_size" in layout.layout_problem(6, 4, 1)
+    assert "replication_factor <= 2" in layout.layout_problem(4, 2, 3)
+    assert layout.default_factor(4, 2) == 2 and layout.default_factor(4, 4) == 1
+
+
+holdings_st = st.lists(st.builds(layout.Holding, st.integers(0, 3), st.integers(0, 5), st.integers(0, 3)),
+                       max_size=40)
+
+
+@FAST
+@given(holdings_st, st.one_of(st.none(), st.integers(0, 6)),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1)), max_size=4))
+def test_recovery_takes_the_newest_step_every_rank_can_be_restored_from(holdings, not_below, excluded):
+    world, node_size = 4, 2
+    got = layout.choose_recovery(holdings, world, node_size, not_below, excluded)
+    usable = {(h.owner, h.step, h.holder) for h in holdings
+              if (h.owner, layout.node_of(h.holder, node_size)) not in set(excluded)}
+    restorable = [s for s in range(6) if all(any((o, s, h) in usable for h in range(4)) for o in range(world))]
+    want = max(restorable, default=None)
+    if want is not None and not_below is not None and want < not_below:
+        want = None
+    assert (got[0] if got else None) == want
+    if got is not None:
+        step, sources = got
+        for owner, src in sources.items():
+            assert (owner, step, src) in usable or (
+                src == owner and any((owner, step, h) in usable and layout.node_of(h, node_size) ==
+                                     layout.node_of(owner, node_size) for h in range(4)))
+
+
+@FAST
+@given(st.integers(1, 4), st.lists(st.integers(0, 100), min_size=1, max_size=30, unique=True))
+def test_a_new_snapshot_never_overwrites_one_of_the_newest_kept(keep, steps):
+    slots = {k: None for k in range(keep + 1)}
+    for step in steps:
+        newest_kept = sorted((s for s in slots.values() if s is not None), reverse=True)[:keep]
+        k = layout.slot_to_reuse(slots)
+        assert slots[k] not in newest_kept or slots[k] is None
+        slots[k] = step
+
+
+# ----------------------------------------------------------------- record parser
+def _record_body(**changes) -> dict:
+    rec = snap.SnapshotRecord("job-x", 0, 2, 8, 1, 0, 128, 7, 10, 20, 9, "[1, {}]",
+                              (snap.TensorEntry(0, "float32", (4, 4), 0, 64, (1.0, 2.0, 16)),
+                               snap.TensorEntry(1, "bfloat16", (3,), 64, 6, (0.0, 0.0, 3))), 1.5)
+    return {**json.loads(rec.to_json()), **changes}
+
+
+def test_a_valid_record_round_trips():
+    body = _record_body()
+    rec = snap.parse_record(json.dumps(body).encode(), "r")
+    assert rec.to_json() == snap.SnapshotRecord(**{**rec.__dict__}).to_json()
+    assert rec.tensors[1].dtype == "bfloat16" and rec.tensors[0].fingerprint == (1.0, 2.0, 16)
+
+
+@pytest.mark.parametrize("changes,why", [
+    ({"tensors": [[0, "float32", [4, 4], 0, 64, [1, 2, 16]], [1, "float32", [10**12], 64, 4 * 10**12, [0, 0, 1]]]},
+     "does not fit"),
+    ({"tensors": [[0, "object", [1], 0, 8, [0, 0, 1]]]}, "unknown dtype"),
+    ({"tensors": [[0, "float32", [4], 3, 16, [0, 0, 4]]]}, "does not fit"),
+    ({"owner": 5}, "out of range"),
+    ({"version": 2}, "not a version-1"),
+    ({"step": -1}, "'step'"),
+    ({"tensors": "x"}, "'tensors'"),
+])
+def test_a_malformed_record_is_refused_with_the_field_named(changes, why):
+    with pytest.raises(snap.SnapshotError, match=why):
+        snap.parse_record(json.dumps(_record_body(**changes)).encode(), "r")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=15)
+
+
+@FAST
+@given(st.sampled_from(sorted(_record_body())), json_values)
+def test_any_record_parses_or_raises_snapshot_error(key, value):
+    body = _record_body(**{key: value})
+    try:
+        snap.parse_record(json.dumps(body).encode(), "r")
+    except snap.SnapshotError:
+        pass
+
+
+# ----------------------------------------------------------------- a real manager, one process
+Run = namedtuple("Run", "model opt sched state")
+
+
+def _run(seed: int = 0) -> Run:
+    torch.manual_seed(seed)
+    model = tiny_model(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    return Run(model, opt, sched, TrainState(model, opt, sched))
+
+
+def _manager(tmp_path, **kw) -> CheckpointManager:
+    opts = dict(every_n_steps=5, local_every_n_steps=2, local_dir=str(tmp_path / "local"), run_id="job-a",
+                async_mode="off", env={}, argv=[], lease=False)
+    return CheckpointManager(str(tmp_path / "root"), **{**opts, **kw})
+
+
+def _train(run: Run, m: CheckpointManager, start: int, stop: int) -> None:
+    for step in range(start + 1, stop + 1):
+        _train_step(run.model, run.opt, run.sched)
+        m.maybe_save(step, run.state)
+
+
+def _crash(m: CheckpointManager) -> None:
+    """Leave as a killed process would: snapshots committed, nothing closed or cleaned."""
+    m.wait()
+    m._local._pool.shutdown()
+    m._closed = True
+
+
+def _snapshot_state(run: Run) -> dict:
+    import copy
+
+    return copy.deepcopy({"model": run.model.state_dict(), "optim": run.opt.state_dict(),
+                          "sched": run.sched.state_dict(), "rng": torch.get_rng_state()})
+
+
+def test_a_restart_resumes_from_node_memory_exactly(tmp_path, caplog):
+    ref = _run()
+    with _manager(tmp_path / "ref", local_every_n_steps=None) as m:
+        _train(ref, m, 0, 6)
+        at6 = _snapshot_state(ref)
+        _train(ref, m, 6, 9)
+    first = _run()
+    m = _manager(tmp_path)
+    _train(first, m, 0, 7)
+    _crash(m)
+    second = _run(seed=99)  # a fresh process: other initial weights and RNG
+    with caplog.at_level(logging.INFO, logger="ckpt_core"), _manager(tmp_path) as m:
+        info = m.resume(second.state)
+        assert info.step == 6 and m.resumed_from == 6
+        assert_same_tree(at6, _snapshot_state(second))
+        _train(second, m, 6, 9)
+    assert "resumed from the local tier at step 6 (durable tier's newest: step 5)" in caplog.text
+    assert_same_tree(_snapshot_state(ref), _snapshot_state(second))
+    assert not list((tmp_path / "local").glob("job-*/rank_*/*"))  # the clean end removed them
+
+
+def test_a_failed_run_keeps_its_snapshots_and_a_resume_at_the_durable_step_drops_newer_ones(tmp_path):
+    run = _run()
+    with pytest.raises(RuntimeError, match="boom"), _manager(tmp_path) as m:
+        _train(run, m, 0, 4)
+        raise RuntimeError("boom")
+    kept = sorted(p.name for p in (tmp_path / "local").glob("job-*/rank_0/step_*.json"))
+    assert kept == ["step_2.json", "step_4.json"]
+    other = _run()
+    with _manager(tmp_path, local_every_n_steps=None) as m:  # a run without the local tier: nothing to do there
+        assert m.resume(other.state) is None
+    again = _run()
+    m = _manager(tmp_path, every_n_steps=1)
+    _train(again, m, 0, 3)  # from scratch (no durable checkpoint, snapshot 4 of a run that did not continue)
+    _crash(m)
+    steps = sorted(p.name for p in (tmp_path / "local").glob("job-*/rank_0/step_*.json"))
+    assert steps == ["step_2.json"], "a snapshot of the abandoned run survived"
+    last = _run()
+    with _manager(tmp_path) as m:
+        assert m.resume(last.state).step == 3  # the durable tier's step 3 is newer than the snapshot of step 2
+
+
+def test_a_snapshot_of_another_model_falls_back_to_the_durable_tier(tmp_path, caplog):
+    run = _run()
+    m = _manager(tmp_path)
+    _train(run, m, 0, 6)
+    _crash(m)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"), _manager(tmp_path) as m2:
+        with pytest.raises(Exception, match="does not fit this model"):
+            m2.resume(TrainState(model, opt, sched))  # the durable tier says so too, naming the shapes
+    assert "local snapshot of rank 0 at step 6 on node 0 is not usable" in caplog.text
+    assert "leaf" in caplog.text and "float32[4, 5]" in caplog.text
+
+
+def test_a_flipped_byte_in_node_memory_falls_back_to_the_durable_tier(tmp_path, caplog):
+    run = _run()
+    m = _manager(tmp_path)
+    _train(run, m, 0, 6)
+    _crash(m)
+    (rec,) = [p for p in (tmp_path / "local").glob("job-*/rank_0/step_6.json")]
+    slot = rec.parent / f"slot_{json.loads(rec.read_text())['slot']}.data"
+    data = bytearray(slot.read_bytes())
+    data[10] ^= 1
+    slot.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"), _manager(tmp_path) as m2:
+        assert m2.resume(_run(seed=5).state).step == 5
+    assert "the data fails its checksum (crc32c)" in caplog.text
+
+
+def test_no_room_in_local_dir_is_an_error_before_training_starts(tmp_path, monkeypatch):
+    """As in a container whose /dev/shm is 64 MiB: the error names the directory, the need and the way out."""
+    import ckpt_core.local_tier as lt
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(lt.shutil, "disk_usage", lambda p: usage._replace(free=64 << 20))
+    big = torch.nn.Linear(4096, 4096)  # 64 MiB of weights, 128 MiB more of Adam state
+    state = TrainState(big, torch.optim.Adam(big.parameters()))
+    with _manager(tmp_path) as m:
+        with pytest.raises(LocalTierError, match=r"has 64 MiB free, the local tier needs \d+ MiB.*--shm-size"):
+            m.resume(state)
+
+
+def test_a_local_dir_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with _manager(tmp_path, local_dir=str(shared)) as m:
+        with pytest.raises(LocalTierError, match="others cannot write"):
+            m.resume(_run().state)
+
+
+def test_the_job_directory_depends_on_the_job_id_only():
+    assert job_key("slurm:17") == job_key("slurm:17") != job_key("slurm:18")
