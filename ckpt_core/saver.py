@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from .planner import LinearMergePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
@@ -176,14 +176,14 @@ class Saver:
                 raise
         return True
 
-    def _planner(self) -> DefaultSavePlanner:
+    def _planner(self) -> LinearMergePlanner:
         """DCP's planner with plan caching under a key of this saver's own.
 
         DCP caches plans in class attributes under the planner's class name: two
         managers of one process saving different states would swap cached plans
         ("Could not find FQN" in the middle of a write).
         """
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner = LinearMergePlanner(enable_plan_caching=True)
         planner._cached_plans_key = self._plan_key
         return planner
 

@@ -113,3 +113,24 @@ def test_ratio_over_a_denominator_that_is_not_positive_is_unbounded():
 def test_mostly_undefined_statistic_has_no_interval():
     rows = [(0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (1.0, 1.0)]  # 0/0 unless the last row is drawn: 32 % of resamples
     assert bootstrap_ci(rows, ratio_of_sums) is None
+
+
+def test_the_linear_planner_merge_gives_dcps_global_plan_and_metadata():
+    """``ckpt_core.planner.LinearMergePlanner`` merges planner data in one pass; what it plans is DCP's plan, and for a
+    key in several ranks' mappings the first rank's value wins, as in DCP's ChainMap."""
+    from collections import ChainMap
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from benchmarks.scale import local_plan
+    from ckpt_core.planner import LinearMergePlanner, merge_planner_data
+
+    for case in ("sharded", "replicated"):
+        plans = [local_plan(r, 16, 6, case) for r in range(16)]
+        stock_plan, stock_md = DefaultSavePlanner().create_global_plan(plans)
+        ours_plan, ours_md = LinearMergePlanner().create_global_plan(plans)
+        assert ours_plan == stock_plan
+        assert ours_md.state_dict_metadata == stock_md.state_dict_metadata
+        assert ours_md.planner_data == stock_md.planner_data and len(ours_md.planner_data) > 16
+    maps = [{"a": 1, "r0": 0}, {"a": 2, "r1": 1}, {"b": 3, "a": 4}]
+    assert merge_planner_data(maps) == dict(ChainMap(*maps)) == {"a": 1, "r0": 0, "r1": 1, "b": 3}
