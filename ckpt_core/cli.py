@@ -18,7 +18,7 @@ import pickle
 import re
 import sys
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from . import __version__, signing
 from .discovery import choose_for_restore, list_records, read_manifest, validate
@@ -27,6 +27,9 @@ from .integrity import IntegrityError
 from .manifest import Manifest, ManifestError
 from .records import CheckpointRecord
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, basename, get_fs, join, list_dir, parse_step_dirname
+
+if TYPE_CHECKING:
+    from .local_listing import Listing
 
 __all__ = ["main", "build_parser", "CliError"]
 
@@ -268,6 +271,57 @@ def _lease_line(root: str) -> str:
     return f"lease: {state}" + (f", {rec.describe(time.time())}" if rec is not None else "")
 
 
+def _local_dir(args: argparse.Namespace) -> str:
+    """``--local-dir``, else ``CKPT_LOCAL_DIR``, else the local tier's default."""
+    from .local_listing import default_local_dir
+
+    return args.local_dir or os.environ.get("CKPT_LOCAL_DIR") or default_local_dir()
+
+
+def _local_listing(args: argparse.Namespace) -> Optional[Listing]:
+    """What the local tier holds on this node (None: no local dir here, so nothing to show)."""
+    from .local_listing import job_key, scan
+
+    return scan(_local_dir(args), job_key(args.run_id) if args.run_id is not None else None)
+
+
+def _wall_time(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def _local_json(listing: Listing, now: float) -> dict[str, Any]:
+    return {
+        "dir": listing.local_dir,
+        "job": listing.job,
+        "note": listing.note,
+        "snapshots": [{
+            "job": g.job, "step": g.step, "world_size": g.world_size, "ranks": sorted(g.owners),
+            "missing": [list(r) for r in g.missing()], "complete": g.complete, "bytes": g.bytes,
+            "wall_time": g.wall_time, "age_s": now - g.wall_time,
+        } for g in listing.groups],
+        "unreadable": [{"path": u.path, "reason": u.reason} for u in listing.unreadable],
+    }
+
+
+def _local_lines(listing: Listing, run_id: Optional[str], now: float) -> list[str]:
+    """The ``local tier`` section of ``ls``: one line per job, step and world size, then what is unusable."""
+    lines = [f"local tier (this node: {listing.local_dir})"]
+    if listing.note is not None:
+        lines.append(f"  note: {listing.note}")
+    rows = [[g.job, f"step {g.step}", f"world {g.world_size}", g.ranks_text(),
+             "complete" if g.complete else "incomplete", human_bytes(g.bytes),
+             f"{_wall_time(g.wall_time)} ({human_age(now - g.wall_time)} ago)"] for g in listing.groups]
+    if rows:
+        lines += ["  " + line for line in _table(rows, right=(5,))]
+    elif not listing.unreadable:
+        lines.append("  no snapshots" + (f" of run {run_id!r} ({listing.job})" if run_id is not None else ""))
+    lines += [f"  unreadable: {u.reason}" for u in listing.unreadable]
+    return lines
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     root = args.root
     _require_root(root)
@@ -277,6 +331,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     newest = next((r for r in records if r.step == newest_valid), None)
     age = now - newest.wall_time if newest is not None and newest.wall_time else None
     code = EXIT_INVALID if _stale(root, age, newest_valid, args.max_age) else EXIT_OK
+    local = _local_listing(args)
     if args.json:
         body = []
         for r in records:
@@ -289,11 +344,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lease = {"state": state, **({"run_id": rec.run_id, "host": rec.host, "pid": rec.pid,
                                      "refreshed_age_s": now - rec.refreshed} if rec is not None else {})}
         _out(json.dumps({"root": root, "newest_valid": newest_valid, "newest_valid_age_s": age,
-                         "stale": code != EXIT_OK, "lease": lease, "checkpoints": body}, indent=1))
+                         "stale": code != EXIT_OK, "lease": lease, "checkpoints": body,
+                         "local": _local_json(local, now) if local is not None else None}, indent=1))
         return code
     if not records:
         _out(f"no checkpoints under {root}")
-        return code
+    else:
+        _ls_table(root, records, newest_valid, problems, age, now)
+    if local is not None:
+        _out()
+        for line in _local_lines(local, args.run_id, now):
+            _out(line)
+    return code
+
+
+def _ls_table(root: str, records: list[CheckpointRecord], newest_valid: Optional[int], problems: dict[int, str],
+              age: Optional[float], now: float) -> None:
     rows = [["", "STEP", "STATE", "PERMANENT", "HEALTHY", "SIZE", "FILES", "WORLD", "AGE", "NOTE"]]
     for r in records:
         if r.committed:
@@ -315,7 +381,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(f"no valid checkpoint under {root}: a run resuming here starts from scratch")
     else:
         _out(f"* newest valid checkpoint (what a run resumes from): step {newest_valid}, {human_age(age)} old")
-    return code
 
 
 # ---------------------------------------------------------------- inspect
@@ -681,12 +746,19 @@ def _add_ls(sub: Any) -> None:
     """The ``ls`` subcommand: list the checkpoints under a root."""
     p = sub.add_parser("ls", help="list the checkpoints under a root", description="List the checkpoints under ROOT, "
                        "oldest first; * marks the newest valid one (what a resuming run loads). With --max-age, "
-                       "exit 1 when there is none or it is older (cron-style monitoring).")
+                       "exit 1 when there is none or it is older (cron-style monitoring). Then the local tier's "
+                       "snapshots on this node, when its local dir exists.")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--max-age", type=parse_age, default=None, metavar="AGE",
                    help="exit 1 when the newest valid checkpoint is older than AGE: seconds, or with a suffix "
                         "s, m, h or d (e.g. 6h)")
+    p.add_argument("--local-dir", metavar="DIR", default=None,
+                   help="the local tier's directory on this node (default: $CKPT_LOCAL_DIR, else "
+                        "/dev/shm/ckpt-<uid>); nothing is shown when it does not exist")
+    p.add_argument("--run-id", metavar="ID", default=None,
+                   help="show only the local snapshots of the job with this job id (as the lease line shows it, "
+                        "e.g. slurm:4711)")
     p.set_defaults(func=cmd_ls, paths=lambda a: [a.root])
 
 

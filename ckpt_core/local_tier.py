@@ -11,7 +11,6 @@ the network, checks and applies them; anything else goes to the durable tier.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from . import local_snapshot as snap
 from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .errors import RestoreError, describe
+from .local_record import default_local_dir, job_key
 from .local_transfer import Incoming, Outgoing, exchange
 from .state import RANK_KEY, StateMismatchError, TrainState
 
@@ -41,15 +41,6 @@ DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --
 
 class LocalTierError(RuntimeError):
     """The local tier cannot run as configured (no room, an unsafe directory); raised before training starts."""
-
-
-def default_local_dir() -> str:
-    return f"/dev/shm/ckpt-{os.getuid()}"
-
-
-def job_key(run_id: str) -> str:
-    """The directory name of one job's snapshots: another job never reads them."""
-    return "job-" + hashlib.sha256(run_id.encode()).hexdigest()[:16]
 
 
 def _before_replica_commit(owner: int, step: int) -> None:
