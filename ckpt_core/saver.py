@@ -74,8 +74,8 @@ class SaveStats:
         alerts = alert_metrics(self.age_s, self.failed_saves, self.fallbacks)
         if self.failed:
             return {"ckpt/step": float(self.step), **alerts}
-        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/bytes": float(self.bytes),
-               **alerts}
+        out = {"ckpt/step": float(self.step), "ckpt/blocking_s": self.blocking_s, "ckpt/wait_s": self.wait_s,
+               "ckpt/bytes": float(self.bytes), **alerts}
         if self.write_s is not None:
             out["ckpt/write_s"] = self.write_s
         if self.throughput_bytes_per_s is not None:

@@ -154,6 +154,7 @@ def test_auto_interval_settles_above_the_write_time_on_a_slow_storage(tmp_path):
     assert started == 9 and len(saves) == 9 and all(s.committed for s in saves)
     writes = [s.write_s for s in saves]
     assert saves[1].wait_s > 0.1 and costs[1] == saves[1].wait_s + saves[1].blocking_s
+    assert saves[1].as_metrics()["ckpt/wait_s"] == saves[1].wait_s  # the loggers see the wait, not only the stall
     sched = m.schedule
     settled_waits = [s.wait_s for s in saves[2:] if s.wait_s > 0]
     detail = [(s.step, s.interval_s, s.wait_s, s.blocking_s, s.write_s) for s in saves]
