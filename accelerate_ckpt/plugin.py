@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from torch import nn
 
 from ckpt_core import CheckpointInfo, CheckpointManager, CheckpointSettings, SaveStats, TrainState
-from ckpt_core.config import log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
+from ckpt_core.config import LOCAL_TIER_OFF, log_effective_settings, resolve_entry_point  # CKPT_<NAME> env, --ckpt.<name> flags
 from ckpt_core.ddp_layout import fix_bucket_layout
 from ckpt_core.loop import LoopDriver, parent, same_root
 from ckpt_core.storage import join, step_dirname
@@ -195,7 +195,7 @@ class CheckpointPlugin:
         if key not in self._extra_managers:
             settings = self.settings.replace(dirpath=key, keep_last=None, keep_every_n_steps=None,
                                              keep_every_seconds=None, keep_best=None, handle_preemption=False,
-                                             local_every_n_steps=None)
+                                             **LOCAL_TIER_OFF)
             self._extra_managers[key] = CheckpointManager(settings=settings, env={}, argv=[],
                                                           metrics_callbacks=[_on_commit(self, key)])
         return self._extra_managers[key]

@@ -30,6 +30,7 @@ from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .errors import RestoreError, describe
 from .local_record import default_local_dir, job_key
+from .schedule import SaveSchedule
 from .local_transfer import Incoming, Outgoing, exchange
 from .state import RANK_KEY, StateMismatchError, TrainState
 
@@ -37,6 +38,10 @@ log = logging.getLogger("ckpt_core")
 
 DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --shm-size, a Kubernetes emptyDir with "
                "medium: Memory); give it more room, lower local_keep, or set local_dir to another directory")
+
+
+LOCAL_MIN_INTERVAL_S = 0.01
+"""Lower clamp of ``local_interval="auto"``: the measured checksum+replication time is the real floor."""
 
 
 class LocalTierError(RuntimeError):
@@ -52,8 +57,12 @@ class LocalTier:
 
     def __init__(self, settings: CheckpointSettings, rank: int, world_size: int, run_id: str, group: RankGroup,
                  process_group: Any) -> None:
-        self.every = settings.local_every_n_steps
         self.keep = settings.local_keep
+        self.schedule = SaveSchedule(
+            every_n_steps=settings.local_every_n_steps, every_seconds=settings.local_every_seconds,
+            interval=settings.local_interval, device_mtbf_hours=settings.device_mtbf_hours,
+            n_devices=settings.n_devices or world_size, min_interval_s=LOCAL_MIN_INTERVAL_S,
+            max_interval_s=settings.max_interval_s)
         self.rank, self.world_size = rank, world_size
         env_size = os.environ.get("LOCAL_WORLD_SIZE")
         self.node_size = settings.local_node_size or (int(env_size) if env_size and env_size.isdigit() else
@@ -76,6 +85,9 @@ class LocalTier:
         self._started = False
         self._other_worlds: set[int] = set()
         self.last_step: Optional[int] = None
+        self.steps: list[int] = []  # the steps snapshotted by this run
+        self._last_time = time.monotonic()
+        self._written_s: Optional[float] = None  # the last snapshot's seal + replication time, not yet recorded
         self.replicated_step: Optional[int] = None
         self.last_stall_s = 0.0
         self.last_error: Optional[BaseException] = None
@@ -119,8 +131,18 @@ class LocalTier:
         return k, mapped
 
     # -------------------------------------------------------------- save
-    def due(self, step: int) -> bool:
-        return self.every is not None and step % self.every == 0 and step != self.last_step
+    def time_due(self) -> bool:
+        """The time triggers on this rank's clock (rank 0's answer is the one every rank acts on)."""
+        return self.schedule.needs_time_sync and self.schedule.time_due(time.monotonic() - self._last_time)
+
+    def due(self, step: int, time_flag: bool = False) -> bool:
+        """Whether ``step`` is snapshotted: the step trigger, or the agreed time flag (``time_due``)."""
+        return step != self.last_step and (self.schedule.step_due(step) or time_flag)
+
+    def poll(self) -> None:
+        """Collect the background work of the last snapshot if it finished (its time feeds the schedule)."""
+        if self._pending is not None and self._pending.done():
+            self._wait_pending()
 
     def snapshot(self, step: int, state: TrainState) -> bool:
         """Stage this rank's state (collective: every rank at the same steps); the rest runs in the background.
@@ -137,6 +159,7 @@ class LocalTier:
         if not self._space_checked:
             self.check_space(cap.data_bytes + len(cap.small) + len(cap.others))
         self.last_step = step
+        self.steps.append(step)
         staged: Optional[tuple[int, torch.Tensor]] = None
         try:
             staged = self._claim_slot(self.rank, cap.data_bytes)
@@ -145,7 +168,9 @@ class LocalTier:
             self._failed(step, e)
             staged = None
         self._pending = self._pool.submit(self._seal_and_replicate, step, cap, staged)
-        self.last_stall_s = time.monotonic() - t0
+        self._last_time = time.monotonic()
+        self.last_stall_s = self._last_time - t0
+        self.schedule.record_cost(self.last_stall_s)
         return staged is not None
 
     def wait(self) -> None:
@@ -160,6 +185,9 @@ class LocalTier:
         except Exception as e:  # noqa: BLE001 - reported; the durable tier still protects the run
             self._failed(self.last_step, e)
         self._pending = None
+        if self._written_s is not None:
+            self.schedule.record_write(self._written_s)
+            self._written_s = None
 
     def _failed(self, step: Optional[int], e: BaseException) -> None:
         self.last_error = e
@@ -168,6 +196,7 @@ class LocalTier:
 
     def _seal_and_replicate(self, step: int, cap: snap.Capture, staged: Optional[tuple[int, torch.Tensor]]) -> None:
         """In the background: seal and commit the staged snapshot, then the replication round of ``step``."""
+        t0 = time.monotonic()
         sent: Optional[Outgoing] = None
         if staged is not None:
             try:
@@ -182,6 +211,7 @@ class LocalTier:
         if self.factor > 1 and self.process_group is not None:
             self._replicate(step, sent)
             self.replicated_step = step if sent is not None else self.replicated_step
+        self._written_s = time.monotonic() - t0
 
     def _replicate(self, step: int, sent: Optional[Outgoing]) -> None:
         """Send this rank's snapshot (``sent``; None: nothing) to the ranks keeping its replicas; receive and
@@ -240,8 +270,8 @@ class LocalTier:
         agreed = first_problem(self._group, problem)
         if agreed is not None:
             raise LocalTierError(agreed[1])
-        log.info("ckpt_core: local tier in %s: every %s steps, keep %d, replication factor %d (%d ranks per node), "
-                 "up to %.1f MiB of node memory per node", self.job_dir, self.every, self.keep, self.factor,
+        log.info("ckpt_core: local tier in %s: %s, keep %d, replication factor %d (%d ranks per node), up to %.1f "
+                 "MiB of node memory per node", self.job_dir, _cadence(self.schedule), self.keep, self.factor,
                  self.node_size, need / 2**20)
 
     # ------------------------------------------------------------ recover
@@ -393,6 +423,7 @@ class LocalTier:
         self._forget_after(step)
         self._group.all_gather(None)
         self._started = True
+        self._last_time = time.monotonic()
 
     def _forget_after(self, step: Optional[int]) -> None:
         for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
@@ -408,14 +439,32 @@ class LocalTier:
         self._wait_pending()
         self._pool.shutdown(wait=True)
         self._maps.clear()
-        if completed and self.cleanup_at_end:
-            self._group.all_gather(None)  # every rank has finished replicating into this node
-            for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
-                shutil.rmtree(self.owner_dir(owner), ignore_errors=True)
-            try:
-                os.rmdir(self.job_dir)
-            except OSError:
-                pass  # another rank of the node removes it, or it still holds other ranks' snapshots
+        if completed:
+            self.remove_snapshots()
+
+    def remove_snapshots(self) -> None:
+        """Remove the snapshots this rank manages on its node (``local_cleanup``); not a collective.
+
+        The owner directories a rank scans (``owners_scanned_by``) are written only by that rank: its
+        own snapshots, and the replicas it receives (the replica of rank ``o`` on a node lands on the rank
+        of that node with ``o``'s local index). Once its own background work is done, nothing writes
+        there, so no rank waits for another; a call after ``close`` (the run turned out complete) works.
+        """
+        if not self.cleanup_at_end:
+            return
+        for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
+            shutil.rmtree(self.owner_dir(owner), ignore_errors=True)
+        try:
+            os.rmdir(self.job_dir)
+        except OSError:
+            pass  # the node's other ranks remove their owner directories themselves; the last one removes it
+
+
+def _cadence(schedule: SaveSchedule) -> str:
+    parts = [f"every {schedule.every_n_steps} steps"] if schedule.every_n_steps else []
+    parts += [f"every {schedule.every_seconds:g} s"] if schedule.every_seconds else []
+    parts += ["at the auto interval"] if schedule.auto else []
+    return " or ".join(parts)
 
 
 def local_group(world_size: int, timeout_s: float) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from .config import CheckpointSettings
+from .config import LOCAL_TIER_OFF, CheckpointSettings
 from .errors import RestoreError
 from .manager import CheckpointManager
 from .records import CheckpointInfo
@@ -73,7 +73,7 @@ def load_model_weights(model: Any, target: str, settings: CheckpointSettings) ->
     if "path" in where and parse_step_dirname(where["path"]) is None:
         root = parent(where["path"])
     reader = settings.replace(dirpath=root, async_mode="off", handle_preemption=False, resume=True, resume_step=None,
-                              every_n_steps=None, every_seconds=None, interval=None, local_every_n_steps=None)
+                              every_n_steps=None, every_seconds=None, interval=None, **LOCAL_TIER_OFF)
     state = TrainState(model=model, rng=False)
     with CheckpointManager(settings=reader, env={}, argv=[]) as manager:
         rec = manager.restore(state, path=where.get("path"), set_aside_newer=False, weights_only=True)
@@ -149,7 +149,7 @@ class LoopDriver:
             return manager.restore(state, step=step)
         other = manager.settings.replace(dirpath=str(root), async_mode="off", handle_preemption=False, resume=True,
                                          resume_step=None, every_n_steps=None, every_seconds=None, interval=None,
-                                         local_every_n_steps=None)
+                                         **LOCAL_TIER_OFF)
         with CheckpointManager(settings=other, env={}, argv=[]) as reader:
             return reader.restore(state, step=step, set_aside_newer=False)
 

@@ -148,6 +148,8 @@ class CheckpointManager:
         self._lease: Optional[lease_holder.RootLease] = None
         self._lease_finalizer: Optional[weakref.finalize] = None
         self._local: Optional[LocalTier] = self._make_local_tier()
+        if self._local is not None and self._local.schedule.needs_time_sync:
+            self._exchanges = self.world_size > 1  # the local tier's time trigger: rank 0's clock decides
         if _saves(s):  # a run that saves by itself takes the root's lease at start: a second job is refused now
             self._guard_lease()
         _LIVE.add(self)
@@ -155,7 +157,7 @@ class CheckpointManager:
     def _make_local_tier(self) -> Optional[LocalTier]:
         """The local tier when ``local_every_n_steps`` is set (collective: its gloo group is created here)."""
         s = self.settings
-        if s.local_every_n_steps is None:
+        if s.local_every_n_steps is None and s.local_every_seconds is None and s.local_interval is None:
             return None
         run_id, source = job_run_id(s.run_id, os.environ)
         if source in ("this process", "the torchrun agent"):
@@ -177,11 +179,12 @@ class CheckpointManager:
 
     def _maybe_save(self, step: int, state: TrainState, metrics: Optional[dict[str, float]]) -> bool:
         self._poll(block=False)
-        if self._exchanges:  # raised at the last exchange, by any rank; rank 0's clock
+        if self._exchanges:  # raised at the last exchange, by any rank; rank 0's clocks
             agreed = self._flags.begin()
-            signum, time_due = (agreed[0] or None, bool(agreed[1])) if agreed is not None else (None, False)
+            signum, time_due, local_due = (agreed[0] or None, bool(agreed[1]), bool(agreed[2])) \
+                if agreed is not None else (None, False, False)
         else:
-            signum, time_due = self._local_signal(), self._time_due()
+            signum, time_due, local_due = self._local_signal(), self._time_due(), self._local_time_due()
         due = self.schedule.step_due(step) or time_due
         if signum is not None:
             log.warning("ckpt_core: preemption signal %d received; saving step %d and exiting", signum, step)
@@ -189,14 +192,20 @@ class CheckpointManager:
         if signum is not None:
             self.wait()
             raise Preempted(step, signum, self.settings.preemption_exit_code)
-        if self._local is not None and self._local.due(step):
-            self._local.snapshot(step, state)
-        if self._exchanges:  # this call's flags, read at the next exchange: a signal and rank 0's clock
-            self._flags.end(lambda: [self._local_signal() or 0, int(self.rank == 0 and self._time_due())])
+        if self._local is not None:
+            self._local.poll()
+            if self._local.due(step, local_due):
+                self._local.snapshot(step, state)
+        if self._exchanges:  # this call's flags, read at the next exchange: a signal and rank 0's clocks
+            self._flags.end(lambda: [self._local_signal() or 0, int(self.rank == 0 and self._time_due()),
+                                     int(self.rank == 0 and self._local_time_due())])
         return saved
 
     def _local_signal(self) -> Optional[int]:
         return self._preempt.signum if self._preempt is not None else None
+
+    def _local_time_due(self) -> bool:
+        return self._local is not None and self._local.time_due()
 
     def _time_due(self) -> bool:
         return self.schedule.needs_time_sync and self.schedule.time_due(time.monotonic() - self._last_save_time)
@@ -488,9 +497,11 @@ class CheckpointManager:
         """Flush and release staging buffers, threads and signal handlers. Safe to call twice.
 
         ``completed``: training ended without error, so the local tier's snapshots of this job are
-        removed (``local_cleanup``); collective then.
+        removed (``local_cleanup``), also when the manager was closed before without it.
         """
         if self._closed:
+            if completed and self._local is not None:
+                self._local.remove_snapshots()
             return
         idle = False
         try:

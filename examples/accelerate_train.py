@@ -18,12 +18,29 @@ Test hooks: ``--kill-at-step N`` SIGKILLs every process right after step N
 (loss as an exact float, the dataset indices of the batch) to
 ``DIR/rank<R>.jsonl``, the final weights to ``DIR/final_rank<R>.pt`` and the
 optimizer and scheduler state to ``DIR/final_optim_rank<R>.pt``.
+``--commit-before-kill`` waits, before that SIGKILL, until the checkpoint and
+the local snapshot in flight are committed (``plugin.wait()``).
+
+Local tier: ``--local-every N`` also snapshots every process's state into
+node memory every N steps (``CheckpointPlugin(local_every_n_steps=N)``), under
+``--local-dir DIR`` (default ``/dev/shm/ckpt-<uid>``). A relaunch finds the
+snapshots only with the same job id (``CKPT_RUN_ID``, or torchrun's
+``--rdzv-id``) and resumes from the newest one when it is newer than the
+newest checkpoint under ``--dirpath``; ``--log-level INFO`` shows the core's
+line saying so (``logging.basicConfig``)::
+
+    export CKPT_RUN_ID=job1
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --dirpath ckpts --every-n-steps 10 \\
+        --local-every 2 --kill-at-step 17 --commit-before-kill    # crash, step 16's snapshot committed
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --dirpath ckpts --every-n-steps 10 \\
+        --local-every 2 --log-level INFO                          # resumes at 16 (durable tier's: 10)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -61,6 +78,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stateful-dataloader", action="store_true",
                    help="DataLoaderConfiguration(use_stateful_dataloader=True): torchdata StatefulDataLoader")
     p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every process right after step N")
+    p.add_argument("--commit-before-kill", action="store_true",
+                   help="before the --kill-at-step SIGKILL, wait until the checkpoint and the local snapshot in "
+                        "flight are committed")
+    p.add_argument("--local-every", type=int, default=None,
+                   help="local tier: snapshot into node memory every N steps (local_every_n_steps)")
+    p.add_argument("--local-dir", default=None, help="local tier: the node-local directory of snapshots")
+    p.add_argument("--log-level", default=None, help="configure logging at this level (INFO shows the core's lines)")
     p.add_argument("--out", default=None, help="directory for per-step records and final weights (tests)")
     args, unknown = p.parse_known_args(argv)
     from ckpt_core.config import pop_ckpt_flags
@@ -73,11 +97,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    if args.log_level:
+        logging.basicConfig(level=args.log_level.upper())
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     from accelerate_ckpt import Accelerator, CheckpointPlugin
 
-    plugin = CheckpointPlugin(dirpath=args.dirpath, every_n_steps=args.every_n_steps, keep_last=args.keep_last)
+    local = {k: v for k, v in (("local_every_n_steps", args.local_every), ("local_dir", args.local_dir)) if v}
+    plugin = CheckpointPlugin(dirpath=args.dirpath, every_n_steps=args.every_n_steps, keep_last=args.keep_last,
+                              **local)
     accelerator = Accelerator(
         cpu=True,
         checkpoint_plugin=plugin,
@@ -125,11 +153,13 @@ def main(argv: list[str]) -> None:
                                       "indices": idx.tolist()}) + "\n")
                 out.flush()
             if args.kill_at_step is not None and plugin.global_step == args.kill_at_step:
+                if args.commit_before_kill:
+                    plugin.wait()  # the save and the local snapshot in flight are committed, on every process
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is flushed or closed
             if plugin.global_step >= args.steps:
                 break
 
-    plugin.close()  # waits for the last save to be committed
+    plugin.close()  # waits for the last save to be committed (end_training() then removes the local snapshots)
     accelerator.wait_for_everyone()
     if out is not None:
         weights = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}

@@ -15,12 +15,30 @@ runs compare exactly), ``PREFIX.json`` (where the run resumed from, its last
 step), ``PREFIX.weights.pt`` (the final parameters, gathered) and
 ``PREFIX.optim.pt`` (the final optimizer and scheduler states, DTensors
 gathered).
+
+Local tier: ``--local-every N`` also snapshots every rank's state into node
+memory every N steps (``DistributedCheckpoint(local_every_n_train_steps=N)``),
+under ``--local-dir DIR`` (default ``/dev/shm/ckpt-<uid>``); a relaunch finds
+the snapshots only with the same job id (``CKPT_RUN_ID``)::
+
+    export CKPT_RUN_ID=job1
+    python examples/lightning_train.py --dirpath /tmp/run4 --every-n-steps 10 --local-every 2 \\
+        --kill-at-step 17 --commit-before-kill        # crash, step 16's snapshot committed
+    python examples/lightning_train.py --dirpath /tmp/run4 --every-n-steps 10 --local-every 2 \\
+        --log-level INFO                              # resumes at 16 (durable tier's newest: 10)
+
+``--commit-before-kill`` waits, before the ``--kill-at-step`` SIGKILL, until
+the checkpoint and the local snapshot in flight are committed
+(``callback.manager.wait()``). ``--log-level LEVEL`` configures Python's
+logging (``logging.basicConfig``), which shows the core's INFO lines, such as
+the one naming the tier a run resumed from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 from typing import Any, Optional
@@ -186,6 +204,8 @@ class Regressor(L.LightningModule):
         if h.get("weights_at_step") and step == h["weights_at_step"][0]:
             self._dump(h["weights_at_step"][1])
         if step == h.get("kill_at_step"):
+            if h.get("commit_before_kill") is not None:
+                h["commit_before_kill"].manager.wait()  # the save and the local snapshot in flight are committed
             os.kill(os.getpid(), signal.SIGKILL)
         if step == h.get("sigterm_at_step"):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -260,7 +280,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...): one of our checkpoint directories")
     p.add_argument("--csv-logs", default=None, help="log metrics (ckpt/* included) with a CSVLogger here")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--local-every", type=int, default=None,
+                   help="local tier: snapshot into node memory every N steps (local_every_n_train_steps)")
+    p.add_argument("--local-dir", default=None, help="local tier: the node-local directory of snapshots")
+    p.add_argument("--log-level", default=None, help="configure logging at this level (INFO shows the core's lines)")
     p.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every rank right after this step")
+    p.add_argument("--commit-before-kill", action="store_true",
+                   help="before the --kill-at-step SIGKILL, wait until the checkpoint and the local snapshot in "
+                        "flight are committed")
     p.add_argument("--sigterm-at-step", type=int, default=None, help="SIGTERM every rank right after this step")
     p.add_argument("--sigterm-in-validation", type=int, default=None,
                    help="SIGTERM every rank during the validation that follows this step")
@@ -300,6 +327,8 @@ def monitoring_summary(callbacks: list[Any]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
+    if args.log_level:
+        logging.basicConfig(level=args.log_level.upper())
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
     model = (TwoOptimizers if args.manual else Regressor)(samples=args.samples, batch_size=args.batch_size, loader=args.loader,
@@ -317,7 +346,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     }
     ckpt = DistributedCheckpoint(dirpath=args.dirpath, every_n_train_steps=args.every_n_steps,
                                  keep_last=args.keep_last, async_mode=args.async_mode,
-                                 save_on_exception=args.save_on_exception)
+                                 save_on_exception=args.save_on_exception,
+                                 local_every_n_train_steps=args.local_every, local_dir=args.local_dir)
+    if args.commit_before_kill:
+        model.hooks["commit_before_kill"] = ckpt
     callbacks: list[Any] = [ckpt, *monitoring_callbacks(args)]
     strategy: Any = args.strategy
     if args.strategy == "fsdp2":

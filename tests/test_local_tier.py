@@ -276,3 +276,43 @@ def test_a_local_dir_others_can_write_is_refused(tmp_path):
 
 def test_the_job_directory_depends_on_the_job_id_only():
     assert job_key("slurm:17") == job_key("slurm:17") != job_key("slurm:18")
+
+
+def test_a_completed_close_after_a_plain_close_still_removes_the_snapshots(tmp_path):
+    """``plugin.close()`` then ``accelerator.end_training()`` (Accelerate's examples): the second, completed close
+    finds the manager closed and must still remove the job's snapshots."""
+    run = _run()
+    m = _manager(tmp_path)
+    _train(run, m, 0, 4)
+    m.close()
+    assert len(list((tmp_path / "local").glob("job-*/rank_0/step_*.json"))) == 2
+    m.close(completed=True)
+    assert not list((tmp_path / "local").glob("job-*/rank_*/*"))
+
+
+def test_local_every_seconds_snapshots_by_rank_0s_clock(tmp_path):
+    """Snapshots at least ``local_every_seconds`` apart (measured at the calls), not at every step."""
+    import time
+
+    run = _run()
+    called = {}
+    with _manager(tmp_path, local_every_n_steps=None, local_every_seconds=0.3) as m:
+        for step in range(1, 21):
+            _train_step(run.model, run.opt, run.sched)
+            called[step] = time.monotonic()
+            m.maybe_save(step, run.state)
+            time.sleep(0.05)
+        steps = m._local.steps
+    assert 2 <= len(steps) < 20, steps
+    assert all(called[b] - called[a] >= 0.3 for a, b in zip(steps, steps[1:])), steps
+
+
+def test_local_interval_auto_learns_the_stall_and_never_goes_below_the_write_time(tmp_path):
+    run = _run()
+    with _manager(tmp_path, local_every_n_steps=None, local_interval="auto", device_mtbf_hours=1e-6) as m:
+        for step in range(1, 40):
+            _train_step(run.model, run.opt, run.sched)
+            m.maybe_save(step, run.state)
+        sched = m._local.schedule
+        assert len(m._local.steps) >= 3 and sched.cost_s is not None and sched.write_s is not None
+        assert sched.interval_s >= sched.write_s

@@ -19,6 +19,7 @@ from .schema import (
     ASYNC_MODES,
     ERROR_POLICIES,
     IN_FLIGHT_POLICIES,
+    LOCAL_TIER_OFF,
     RESUME_CHECK_POLICIES,
     VERIFY_LEVELS,
     CheckpointSettings,
@@ -35,7 +36,7 @@ def setting_help(name: str) -> str:
 
 __all__ = [
     "ASYNC_MODES", "ERROR_POLICIES", "IN_FLIGHT_POLICIES", "RESUME_CHECK_POLICIES", "VERIFY_LEVELS",
-    "ENV_PREFIX", "FLAG_PREFIX", "BadValue", "CheckpointSettings", "Setting", "SettingError",
+    "ENV_PREFIX", "FLAG_PREFIX", "LOCAL_TIER_OFF", "BadValue", "CheckpointSettings", "Setting", "SettingError",
     "UnknownSettingError", "add_ckpt_arguments", "describe_source", "env_name", "flag_name",
     "log_effective_settings", "parse_value", "pop_ckpt_flags", "redact", "resolve_entry_point", "resolve_settings",
     "schema",

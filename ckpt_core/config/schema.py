@@ -133,6 +133,13 @@ class CheckpointSettings:
     local_every_n_steps: Optional[int] = _pos_int(
         None, "local tier: snapshot every N steps into node memory (local_dir), replicated to a peer node; "
               "recovery takes it when it is newer than the durable tier. None: off.")
+    local_every_seconds: Optional[float] = _pos_num(
+        None, "local tier: snapshot when this many seconds passed since the last snapshot (rank 0's clock).",
+        unit="seconds")
+    local_interval: Optional[str] = _spec(
+        None, 'local tier: "auto" for the Young/Daly interval from the measured snapshot stall and the MTBF '
+              "(device_mtbf_hours), never below the measured checksum+replication time.",
+        lambda v: v in (None, "auto"), "'auto' or None", choices=("auto",))
     local_dir: Optional[str] = _spec(None, "local tier: the node-local directory of snapshots (default "
                                            "/dev/shm/ckpt-<uid>: node memory that outlives the process, not the node).",
                                      lambda v: v is None or (isinstance(v, str) and bool(v)), "a path or None")
@@ -181,6 +188,10 @@ class CheckpointSettings:
         return dataclasses.replace(self, **changes)
 
 
+LOCAL_TIER_OFF = {"local_every_n_steps": None, "local_every_seconds": None, "local_interval": None}
+"""``settings.replace(**LOCAL_TIER_OFF)``: a manager that only reads or writes one root (no node-memory snapshots)."""
+
+
 def check_values(**values: Any) -> None:
     """Check settings given by name against their declarations (and each other): ``SettingError`` on the first bad.
 
@@ -198,6 +209,8 @@ def check_values(**values: Any) -> None:
         raise SettingError("min_interval_s", low, f"at most max_interval_s={high}")
     if values.get("interval") == "auto" and "device_mtbf_hours" in values and values["device_mtbf_hours"] is None:
         raise SettingError("device_mtbf_hours", None, "a number of hours when interval='auto'")
+    if values.get("local_interval") == "auto" and "device_mtbf_hours" in values and values["device_mtbf_hours"] is None:
+        raise SettingError("device_mtbf_hours", None, "a number of hours when local_interval='auto'")
 
 
 @dataclass(frozen=True)
