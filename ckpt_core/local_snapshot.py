@@ -20,10 +20,11 @@ same world size. Files under ``<node dir>/rank_<owner>/``:
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import crc32c
 import torch
@@ -35,6 +36,7 @@ from .local_record import (ALIGN, ITEMSIZE, RECORD_RE, SnapshotError, SnapshotRe
                            parse_record)
 
 _DTYPES = {name: getattr(torch, name) for name in ITEMSIZE}
+log = logging.getLogger("ckpt_core")
 
 
 @dataclass
@@ -185,6 +187,18 @@ def list_records(owner_dir: str) -> dict[int, str]:
         if m:
             out[int(m.group(1))] = os.path.join(owner_dir, name)
     return out
+
+
+def read_record(path: str) -> Optional[SnapshotRecord]:
+    """The record at ``path``; None when it is gone or unusable (a warning names the file and why)."""
+    try:
+        with open(path, "rb") as f:
+            return parse_record(f.read(), path)
+    except FileNotFoundError:
+        return None
+    except (OSError, SnapshotError) as e:
+        log.warning("ckpt_core: ignoring local snapshot record %s: %s", path, e)
+        return None
 
 
 def read_exact(path: str, out: torch.Tensor) -> None:

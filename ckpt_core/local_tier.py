@@ -4,9 +4,10 @@
 file under ``local_dir`` (the stall: one host copy); a background thread
 seals it (CRC32C, fingerprint), commits its record and sends it to the ranks
 on other nodes that keep its replicas (``local_layout``), committing theirs
-as they arrive. ``LocalTier.recover`` (collective) finds the newest step that
-every rank's snapshot is held for on some node, moves the missing ones over
-the network, checks and applies them; anything else goes to the durable tier.
+as they arrive. ``LocalTier.recover`` (collective, ``local_recovery``) finds
+the newest step that every rank's snapshot is held for on some node, moves
+the missing ones over the network, checks and applies them; anything else
+goes to the durable tier.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ from typing import Any, Optional
 
 import torch
 
-from . import fingerprint as fp
 from . import local_layout as layout
 from . import local_snapshot as snap
 from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
-from .errors import RestoreError, describe
+from .errors import describe
 from .local_record import default_local_dir, job_key
 from .schedule import SaveSchedule
 from .local_transfer import Incoming, Outgoing, exchange
-from .state import RANK_KEY, StateMismatchError, TrainState
+from .state import TrainState
 
 log = logging.getLogger("ckpt_core")
 
@@ -83,7 +83,6 @@ class LocalTier:
         self._lock = threading.Lock()
         self._space_checked = False
         self._started = False
-        self._other_worlds: set[int] = set()
         self.last_step: Optional[int] = None
         self.steps: list[int] = []  # the steps snapshotted by this run
         self._last_time = time.monotonic()
@@ -107,7 +106,7 @@ class LocalTier:
             if owner not in self._slots:
                 slots: dict[int, Optional[int]] = {k: None for k in range(self.keep + 1)}
                 for step, path in snap.list_records(self.owner_dir(owner)).items():
-                    rec = _read_record(path)
+                    rec = snap.read_record(path)
                     if rec is not None and rec.slot in slots and (slots[rec.slot] or -1) < step:
                         slots[rec.slot] = step
                 self._slots[owner] = slots
@@ -119,7 +118,7 @@ class LocalTier:
         slots = self._slot_map(owner)
         k = layout.slot_to_reuse(slots)
         for step, path in snap.list_records(directory).items():  # every record that points at slot k goes first
-            rec = _read_record(path)
+            rec = snap.read_record(path)
             if rec is None or rec.slot == k:
                 snap.uncommit(directory, step)
         slots[k] = None
@@ -277,144 +276,12 @@ class LocalTier:
     # ------------------------------------------------------------ recover
     def recover(self, state: TrainState, durable_step: Optional[int]) -> Optional[snap.SnapshotRecord]:
         """Restore the newest step every rank can restore from node memory, if newer than ``durable_step``
-        (collective). None: the durable tier decides (the log says why)."""
+        (collective; ``local_recovery``). None: the durable tier decides (the log says why)."""
+        from .local_recovery import Recovery
+
         self._wait_pending()
         self.check_space(_state_bytes(state))
-        found = self._scan()
-        holdings = [layout.Holding(o, s, h) for h, mine in enumerate(self._group.all_gather(sorted(found)))
-                    for o, s in mine]
-        excluded: list[tuple[int, int]] = []
-        while True:
-            choice = layout.choose_recovery(holdings, self.world_size, self.node_size, durable_step, excluded)
-            if choice is None:
-                self._say_why_not(holdings, durable_step, excluded)
-                return None
-            step, sources = choice
-            loaded, rec, bad = self._fetch(step, sources, found, state)
-            problems = [p for p in self._group.all_gather(bad) if p is not None]
-            if not problems:
-                assert loaded is not None and rec is not None
-                return self._apply(loaded, rec, state)
-            for owner, node, why in problems:
-                if self.rank == 0:
-                        log.warning("ckpt_core: local snapshot of rank %d at step %d on node %d is not usable: %s",
-                                owner, step, node, why)
-                excluded.append((owner, node))
-        return None
-
-    def _scan(self) -> dict[tuple[int, int], snap.SnapshotRecord]:
-        """The committed snapshots of this job and world size that this rank looks for on its node (the world
-        sizes of the job's other snapshots go to ``_other_worlds``)."""
-        found = {}
-        for owner in layout.owners_scanned_by(self.rank, self.world_size, self.node_size):
-            for step, path in snap.list_records(self.owner_dir(owner)).items():
-                rec = _read_record(path)
-                if rec is None or (rec.job, rec.owner, rec.step) != (self.job, owner, step):
-                    continue
-                if rec.world_size == self.world_size:
-                    found[(owner, step)] = rec
-                else:
-                    self._other_worlds.add(rec.world_size)
-        return found
-
-    def _say_why_not(self, holdings: list[layout.Holding], durable_step: Optional[int],
-                     excluded: list[tuple[int, int]]) -> None:
-        if self.rank != 0:
-            return
-        complete = layout.complete_steps(holdings, self.world_size)
-        if excluded:
-            log.warning("ckpt_core: local tier: no complete snapshot newer than the durable tier's step %s is "
-                        "usable (%d bad copies, named above); restoring from the durable tier", durable_step,
-                        len(excluded))
-        elif not holdings and self._other_worlds:
-            log.warning("ckpt_core: local tier: the snapshots of this job are for world size %s, this run has %d: "
-                        "resharding goes through the durable tier", "/".join(map(str, sorted(self._other_worlds))),
-                        self.world_size)
-        elif not holdings:
-            log.info("ckpt_core: local tier: no snapshot of this job at world size %d in %s; restoring from the "
-                     "durable tier (another world size reshards through the durable tier)", self.world_size,
-                     self.root)
-        elif not complete:
-            log.warning("ckpt_core: local tier: no step has a snapshot of every rank (lost nodes or replicas); "
-                        "restoring from the durable tier")
-        else:
-            log.info("ckpt_core: local tier: newest complete snapshot is step %d, the durable tier has step %s; "
-                     "restoring from the durable tier", complete[0], durable_step)
-
-    def _fetch(self, step: int, sources: dict[int, int], found: dict, state: TrainState
-               ) -> tuple[Optional[dict], Optional[snap.SnapshotRecord], Optional[tuple[int, int, str]]]:
-        """Read or receive this rank's snapshot of ``step`` and rebuild it into fresh buffers; the problem
-        ``(owner, node, why)`` when it is not usable."""
-        outgoing = [self._outgoing(found.get((o, step)), o) for o, h in sorted(sources.items())
-                    if h == self.rank and o != self.rank]
-        src = sources[self.rank]
-        remote = [src] if src != self.rank else []
-        node = layout.node_of(src, self.node_size)
-        try:
-            incoming = exchange(self.process_group, outgoing, remote, lambda _s, _r, n: torch.empty(n, dtype=torch.uint8))
-            if incoming:
-                inc = incoming[0]
-                if not inc.record:
-                    return None, None, (self.rank, node, "the holder could not read it")
-                rec = snap.parse_record(inc.record, f"rank {self.rank}'s snapshot at step {step} from rank {src}")
-                data, extra = inc.data, inc.extra
-            else:
-                rec, data, extra = self._read_own(step)
-            if (rec.job, rec.owner, rec.step, rec.world_size) != (self.job, self.rank, step, self.world_size):
-                raise snap.SnapshotError(f"the record is rank {rec.owner}'s snapshot at step {rec.step}")
-            snap.check_bytes(rec, data, extra, f"rank {self.rank}'s snapshot at step {step}")
-            return snap.rebuild(rec, data, extra, state), rec, None
-        except (snap.SnapshotError, StateMismatchError, OSError) as e:
-            return None, None, (self.rank, node, describe(e))
-
-    def _outgoing(self, rec: Optional[snap.SnapshotRecord], owner: int) -> Outgoing:
-        if rec is None:
-            return Outgoing(owner)
-        try:
-            directory = self.owner_dir(owner)
-            with open(os.path.join(directory, f"step_{rec.step}.json"), "rb") as f:
-                body = f.read()
-            data = torch.empty(rec.data_bytes, dtype=torch.uint8)
-            snap.read_exact(snap.slot_path(directory, rec.slot), data)
-            with open(os.path.join(directory, f"step_{rec.step}.extra"), "rb") as f:
-                extra = f.read()
-            return Outgoing(owner, body, data, extra)
-        except (OSError, snap.SnapshotError) as e:
-            log.warning("ckpt_core: cannot send rank %d's snapshot at step %d: %s", owner, rec.step, describe(e))
-            return Outgoing(owner)
-
-    def _read_own(self, step: int) -> tuple[snap.SnapshotRecord, torch.Tensor, bytes]:
-        directory = self.owner_dir(self.rank)
-        path = os.path.join(directory, f"step_{step}.json")
-        with open(path, "rb") as f:
-            rec = snap.parse_record(f.read(), path)
-        data = torch.empty(rec.data_bytes, dtype=torch.uint8)
-        snap.read_exact(snap.slot_path(directory, rec.slot), data)
-        with open(os.path.join(directory, f"step_{step}.extra"), "rb") as f:
-            extra = f.read()
-        return rec, data, extra
-
-    def _apply(self, loaded: dict, rec: snap.SnapshotRecord, state: TrainState) -> Optional[snap.SnapshotRecord]:
-        """Every rank holds a checked snapshot: rank 0's small state to all, check the progress, apply, verify."""
-        zero = self._group.broadcast(bytes(loaded[RANK_KEY][str(0)].numpy()) if self.rank == 0 else None)
-        loaded[RANK_KEY]["0"] = torch.frombuffer(bytearray(zero), dtype=torch.uint8)
-        wanted = {"own": self.rank, "zero": 0}
-        problem = None
-        try:
-            if state.saved_progress(loaded, wanted) != (rec.step, rec.epoch):
-                problem = ("progress", f"rank {self.rank}'s snapshot is not at step {rec.step}, epoch {rec.epoch}")
-        except ValueError as e:
-            problem = ("progress", str(e))
-        agreed = first_problem(self._group, problem)
-        if agreed is not None:
-            log.warning("ckpt_core: local snapshot at step %d is not usable: %s", rec.step, agreed[1])
-            return None
-        state.apply(loaded, wanted, self.world_size)
-        diffs = fp.compare(snap.expected_fingerprint(rec), snap.live_fingerprint(state))
-        if diffs:
-            raise RestoreError(f"after restoring step {rec.step} from the local tier the state differs from the "
-                               f"snapshot: {'; '.join(diffs[:5])}")
-        return rec
+        return Recovery(self).run(state, durable_step)
 
     # ---------------------------------------------------------- lifecycle
     def after_restore(self, step: Optional[int]) -> None:
@@ -476,17 +343,6 @@ def local_group(world_size: int, timeout_s: float) -> Any:
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def _read_record(path: str) -> Optional[snap.SnapshotRecord]:
-    try:
-        with open(path, "rb") as f:
-            return snap.parse_record(f.read(), path)
-    except FileNotFoundError:
-        return None
-    except (OSError, snap.SnapshotError) as e:
-        log.warning("ckpt_core: ignoring local snapshot record %s: %s", path, describe(e))
-        return None
 
 
 def _check_private(path: str) -> None:
