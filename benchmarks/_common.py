@@ -14,9 +14,12 @@
 * CPU time: user + system time of a process tree from ``/proc`` (live
   children included, which ``getrusage`` cannot see), minus chosen threads
   (the samplers of the benchmark itself);
+* storage: moto's S3 server in its own process on loopback (``MotoS3``, also
+  the S3 server of ``tests/test_s3.py``);
 * small helpers: fsync'd sequential writes (also split into the write and the
   fsync, each with its thread CPU time), page-cache eviction, medians,
-  bootstrap confidence intervals, machine description, result files.
+  bootstrap confidence intervals and the PASS/MISS/OPEN of a goal against
+  one (``goal_status``), machine description, result files.
 """
 
 from __future__ import annotations
@@ -528,6 +531,58 @@ def rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class MotoS3:
+    """moto's S3 server (``python -m moto.server``) in its own process on a loopback port, with one bucket.
+
+    No network beyond loopback. ``options`` are the fsspec storage options
+    (s3fs) that reach it. ``close()`` (or leaving the ``with`` block) stops it;
+    the objects are held by that process and go with it.
+    """
+
+    def __init__(self, bucket: str = "ckpt-bench", timeout: float = 30.0) -> None:
+        import socket
+
+        self.bucket = bucket
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"moto's S3 server did not start on port {self.port} "
+                                       "(is the s3 extra installed: moto[server], s3fs, boto3?)")
+                time.sleep(0.1)
+        self.options = {"key": "testing", "secret": "testing",
+                        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{self.port}", "region_name": "us-east-1"}}
+        import boto3
+
+        boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                     **self.options["client_kwargs"]).create_bucket(Bucket=bucket)
+
+    def url(self, *names: str) -> str:
+        return "/".join([f"s3://{self.bucket}", *names])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "MotoS3":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 # ----------------------------------------------------------------- workers
 def run_worker(module: str, spec: dict, timeout: float, log_path: Path) -> dict:
     """Run ``python -m benchmarks.<module> --worker <spec>`` in a fresh process group; return its result JSON.
@@ -636,6 +691,16 @@ def ratio_of_sums(a: Any) -> float:
     """``sum(column 0) / sum(column 1)`` of paired rows: a ratio of totals over rounds (nan if the total is 0)."""
     den = float(a[:, 1].sum())
     return float(a[:, 0].sum()) / den if den else float("nan")
+
+
+def goal_status(ci: Optional[tuple], limit: float, higher_is_better: bool = False) -> str:
+    """A goal against a confidence interval: PASS when the whole CI meets ``limit``, MISS when the whole CI misses
+    it, OPEN when the CI straddles it, ``n/a`` without a CI."""
+    if ci is None:
+        return "n/a"
+    lo, hi = ci
+    met, missed = (lo >= limit, hi < limit) if higher_is_better else (hi <= limit, lo > limit)
+    return "PASS" if met else ("MISS" if missed else "OPEN")
 
 
 def fmt(x: Optional[float], spec: str = ".3f", none: str = "-") -> str:

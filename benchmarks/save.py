@@ -861,11 +861,7 @@ def goals(rows: dict, ranks: int, threads: int, cpus: int) -> list[dict]:
 
     def add(goal: str, variant: str, value: Optional[float], ci: Optional[list], limit: float, unit: str,
             higher_is_better: bool = False) -> None:
-        status = "n/a"
-        if ci is not None:
-            lo, hi = ci
-            met, missed = (lo >= limit, hi < limit) if higher_is_better else (hi <= limit, lo > limit)
-            status = "PASS" if met else ("MISS" if missed else "OPEN")
+        status = C.goal_status(ci, limit, higher_is_better)
         out.append({"goal": goal, "variant": variant, "value": value, "ci": ci, "limit": limit, "unit": unit,
                     "status": status, "ci_meets_goal": status == "PASS"})
 

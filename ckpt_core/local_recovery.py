@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -41,10 +42,13 @@ class Recovery:
         self._group, self.process_group = tier._group, tier.process_group
         self.owner_dir = tier.owner_dir
         self._other_worlds: set[int] = set()
+        self.timings: dict[str, float] = {}
+        """Seconds to discover, load (read or receive, check, rebuild), apply and verify after applying."""
 
     def run(self, state: TrainState, durable_step: Optional[int]) -> Optional[snap.SnapshotRecord]:
         """Restore the newest step every rank can restore from node memory, if newer than ``durable_step``
         (collective). None: the durable tier decides (the log says why)."""
+        t0 = time.monotonic()
         found = self._scan()
         holdings = [layout.Holding(o, s, h) for h, mine in enumerate(self._group.all_gather(sorted(found)))
                     for o, s in mine]
@@ -55,17 +59,19 @@ class Recovery:
                 self._say_why_not(holdings, durable_step, excluded)
                 return None
             step, sources = choice
+            t1 = time.monotonic()
+            self.timings["discover"] = t1 - t0
             loaded, rec, bad = self._fetch(step, sources, found, state)
             problems = [p for p in self._group.all_gather(bad) if p is not None]
+            self.timings["load"] = time.monotonic() - t1  # read or received, checked into fresh buffers
             if not problems:
                 assert loaded is not None and rec is not None
                 return self._apply(loaded, rec, state)
             for owner, node, why in problems:
                 if self.rank == 0:
-                        log.warning("ckpt_core: local snapshot of rank %d at step %d on node %d is not usable: %s",
+                    log.warning("ckpt_core: local snapshot of rank %d at step %d on node %d is not usable: %s",
                                 owner, step, node, why)
                 excluded.append((owner, node))
-        return None
 
     def _scan(self) -> dict[tuple[int, int], snap.SnapshotRecord]:
         """The committed snapshots of this job and world size that this rank looks for on its node (the world
@@ -139,8 +145,7 @@ class Recovery:
             directory = self.owner_dir(owner)
             with open(os.path.join(directory, f"step_{rec.step}.json"), "rb") as f:
                 body = f.read()
-            data = torch.empty(rec.data_bytes, dtype=torch.uint8)
-            snap.read_exact(snap.slot_path(directory, rec.slot), data)
+            data = snap.map_readonly(snap.slot_path(directory, rec.slot), rec.data_bytes)
             with open(os.path.join(directory, f"step_{rec.step}.extra"), "rb") as f:
                 extra = f.read()
             return Outgoing(owner, body, data, extra)
@@ -153,8 +158,7 @@ class Recovery:
         path = os.path.join(directory, f"step_{step}.json")
         with open(path, "rb") as f:
             rec = snap.parse_record(f.read(), path)
-        data = torch.empty(rec.data_bytes, dtype=torch.uint8)
-        snap.read_exact(snap.slot_path(directory, rec.slot), data)
+        data = snap.map_readonly(snap.slot_path(directory, rec.slot), rec.data_bytes)  # rebuild copies out of it
         with open(os.path.join(directory, f"step_{step}.extra"), "rb") as f:
             extra = f.read()
         return rec, data, extra
@@ -174,8 +178,11 @@ class Recovery:
         if agreed is not None:
             log.warning("ckpt_core: local snapshot at step %d is not usable: %s", rec.step, agreed[1])
             return None
+        t0 = time.monotonic()
         state.apply(loaded, wanted, self.world_size)
+        t1 = time.monotonic()
         diffs = fp.compare(snap.expected_fingerprint(rec), snap.live_fingerprint(state))
+        self.timings.update(apply=t1 - t0, verify=time.monotonic() - t1)
         if diffs:
             raise RestoreError(f"after restoring step {rec.step} from the local tier the state differs from the "
                                f"snapshot: {'; '.join(diffs[:5])}")

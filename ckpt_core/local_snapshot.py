@@ -201,16 +201,16 @@ def read_record(path: str) -> Optional[SnapshotRecord]:
         return None
 
 
-def read_exact(path: str, out: torch.Tensor) -> None:
-    """Fill the byte tensor ``out`` from the file at ``path`` (which must hold at least that many bytes)."""
-    mv = memoryview(out.numpy())
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < len(mv):
-            n = f.readinto(mv[got:])
-            if not n:
-                raise SnapshotError(f"{path} ends after {got} bytes; its record says {len(mv)}")
-            got += n
+def map_readonly(path: str, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of the slot file at ``path`` as a byte tensor mapped copy-on-write (no copy is made:
+    the pages stay node memory's). A file shorter than that is a ``SnapshotError``, never a SIGBUS."""
+    size = os.stat(path).st_size
+    if size < nbytes:
+        raise SnapshotError(f"{path} holds {size} bytes; its record says {nbytes}")
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def check_bytes(rec: SnapshotRecord, data: torch.Tensor, extra: bytes, what: str) -> None:

@@ -84,6 +84,7 @@ class LocalTier:
         self._space_checked = False
         self._started = False
         self.last_step: Optional[int] = None
+        self.timings: dict[str, float] = {}  # of the last recovery (``local_recovery.Recovery.timings``)
         self.steps: list[int] = []  # the steps snapshotted by this run
         self._last_time = time.monotonic()
         self._written_s: Optional[float] = None  # the last snapshot's seal + replication time, not yet recorded
@@ -281,7 +282,11 @@ class LocalTier:
 
         self._wait_pending()
         self.check_space(_state_bytes(state))
-        return Recovery(self).run(state, durable_step)
+        recovery = Recovery(self)
+        try:
+            return recovery.run(state, durable_step)
+        finally:
+            self.timings = recovery.timings
 
     # ---------------------------------------------------------- lifecycle
     def after_restore(self, step: Optional[int]) -> None:

@@ -142,6 +142,7 @@ class CheckpointManager:
         self._n_saves = 0
         self._closed = False
         self.resumed_from: Optional[int] = None
+        self._restored_locally = False
         self.last_save_stats: Optional[SaveStats] = None
         self.save_history: list[SaveStats] = []
         self._run_id: str = self._group.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
@@ -561,8 +562,9 @@ class CheckpointManager:
 
     @property
     def last_restore_timings(self) -> dict[str, float]:
-        """Seconds the last restore spent to discover, load, apply and verify."""
-        return self._restorer.timings
+        """Seconds the last restore spent to discover, load, apply and verify (from the tier it restored from)."""
+        return dict(self._local.timings) if self._restored_locally and self._local is not None \
+            else self._restorer.timings
 
     def resume(self, state: TrainState) -> Optional[CheckpointInfo]:
         """Restore as the settings say: nothing when ``resume=False``, ``resume_step`` when set, else the newest valid."""
@@ -593,6 +595,7 @@ class CheckpointManager:
                  weights_only: bool) -> Optional[CheckpointInfo]:
         automatic = step is None and path is None and not weights_only
         rec = self._restore_local(state) if automatic and self._local is not None else None
+        self._restored_locally = rec is not None
         if rec is not None:
             return rec
         rec, committed = self._restorer.restore(state, step, path, weights_only)

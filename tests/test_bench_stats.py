@@ -1,4 +1,5 @@
-"""The statistics of the save benchmark: bootstrap confidence intervals over rounds (benchmarks/_common.py)."""
+"""The statistics of the benchmarks: bootstrap confidence intervals over rounds and the goals' PASS/MISS/OPEN
+(benchmarks/_common.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks._common import bootstrap_ci, ratio_of_sums
+from benchmarks._common import bootstrap_ci, goal_status, ratio_of_sums
 
 
 def mean0(a: np.ndarray) -> float:
@@ -134,3 +135,14 @@ def test_the_linear_planner_merge_gives_dcps_global_plan_and_metadata():
         assert ours_md.planner_data == stock_md.planner_data and len(ours_md.planner_data) > 16
     maps = [{"a": 1, "r0": 0}, {"a": 2, "r1": 1}, {"b": 3, "a": 4}]
     assert merge_planner_data(maps) == dict(ChainMap(*maps)) == {"a": 1, "r0": 0, "r1": 1, "b": 3}
+
+
+def test_a_goal_passes_only_when_the_whole_interval_meets_it():
+    assert goal_status((0.2, 0.4), 0.5) == "PASS"
+    assert goal_status((0.2, 0.5), 0.5) == "PASS"  # the limit itself meets an "at most" goal
+    assert goal_status((0.4, 0.6), 0.5) == "OPEN"
+    assert goal_status((0.6, 0.9), 0.5) == "MISS"
+    assert goal_status((0.9, 1.2), 0.8, higher_is_better=True) == "PASS"
+    assert goal_status((0.7, 0.9), 0.8, higher_is_better=True) == "OPEN"
+    assert goal_status((0.5, 0.7), 0.8, higher_is_better=True) == "MISS"
+    assert goal_status(None, 0.5) == "n/a"

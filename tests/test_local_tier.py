@@ -193,6 +193,7 @@ def test_a_restart_resumes_from_node_memory_exactly(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="ckpt_core"), _manager(tmp_path) as m:
         info = m.resume(second.state)
         assert info.step == 6 and m.resumed_from == 6
+        assert set(m.last_restore_timings) == {"discover", "load", "apply", "verify"}
         assert_same_tree(at6, _snapshot_state(second))
         _train(second, m, 6, 9)
     assert "resumed from the local tier at step 6 (durable tier's newest: step 5)" in caplog.text
@@ -316,3 +317,18 @@ def test_local_interval_auto_learns_the_stall_and_never_goes_below_the_write_tim
         sched = m._local.schedule
         assert len(m._local.steps) >= 3 and sched.cost_s is not None and sched.write_s is not None
         assert sched.interval_s >= sched.write_s
+
+
+def test_a_truncated_slot_file_falls_back_instead_of_crashing(tmp_path, caplog):
+    """The slot is mapped, not read: a file shorter than its record must be refused before it is touched (a
+    mapping past the end of a file kills the process with SIGBUS)."""
+    run = _run()
+    m = _manager(tmp_path)
+    _train(run, m, 0, 6)
+    _crash(m)
+    (rec,) = (tmp_path / "local").glob("job-*/rank_0/step_6.json")
+    slot = rec.parent / f"slot_{json.loads(rec.read_text())['slot']}.data"
+    os.truncate(slot, 100)
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"), _manager(tmp_path) as m2:
+        assert m2.resume(_run(seed=5).state).step == 5
+    assert "holds 100 bytes; its record says" in caplog.text

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -12,37 +9,22 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks._common import MotoS3
 from ckpt_core import CheckpointManager, TrainState
 from ckpt_core.discovery import list_records
-from conftest import EXAMPLES, free_port, load_result, run_script
+from conftest import EXAMPLES, load_result, run_script
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra is part of the test install")
 
 
 @pytest.fixture(scope="module")
 def s3_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
-    opts = {"key": "testing", "secret": "testing",
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-    import boto3
-
-    boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
-                 **opts["client_kwargs"]).create_bucket(Bucket="ckpts")
-    yield opts
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        server = MotoS3(bucket="ckpts")
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    with server:
+        yield server.options
 
 
 def _model(seed):
