@@ -186,15 +186,16 @@ def _recovery_class(name: str) -> Any:
 def instrument_local(restore: dict, background: Any) -> None:
     """Time the local tier from outside, in this worker only (``ckpt_core`` is not changed).
 
-    ``restore``: seconds of the durable tier's listing (``_newest_step``), the local recovery as a whole, its
-    fetch (read + CRC32C + fresh buffers), its apply and the fingerprint of the live state after it.
+    ``restore``: seconds of the durable tier's listing (``list_records``, once per restore), the local recovery
+    as a whole, its fetch (read + CRC32C + fresh buffers), its apply and the fingerprint of the live state after
+    it.
     ``background``: a deque that gets ``{step, seal_s, replicate_s, t}`` as each snapshot's background work ends.
     """
     import ckpt_core.local_snapshot as snap
     import ckpt_core.manager as manager
     from ckpt_core.local_tier import LocalTier
 
-    _timed(manager, "_newest_step", restore, "durable_listing")
+    _timed(manager, "list_records", restore, "durable_listing")
     _timed(LocalTier, "recover", restore, "recover", result_key="from_local")
     _timed(_recovery_class("_fetch"), "_fetch", restore, "fetch")
     _timed(_recovery_class("_apply"), "_apply", restore, "apply_all")

@@ -594,20 +594,21 @@ class CheckpointManager:
     def _restore(self, state: TrainState, step: Optional[int], path: Optional[str], set_aside_newer: bool,
                  weights_only: bool) -> Optional[CheckpointInfo]:
         automatic = step is None and path is None and not weights_only
-        rec = self._restore_local(state) if automatic and self._local is not None else None
-        self._restored_locally = rec is not None
-        if rec is not None:
-            return rec
-        rec, committed = self._restorer.restore(state, step, path, weights_only)
+        listed = None  # rank 0's listing of the root, when the local tier needed it first: listed once
+        if automatic and self._local is not None:
+            listed = list_records(self.root, self.settings.storage_options) if self.rank == 0 else None
+            rec = self._restore_local(state, listed)
+            self._restored_locally = rec is not None
+            if rec is not None:
+                return rec
+        rec, committed = self._restorer.restore(state, step, path, weights_only, listed)
         self._committed |= committed
         if self._local is not None and not weights_only:  # the run goes on from here: later snapshots go
             self._local.after_restore(rec.step if rec is not None else None)
         if rec is None:
             return None
-        self.resumed_from = rec.step
-        self._committed.add(rec.step)
-        self._last_save_time = self._last_commit_time = time.monotonic()
-        self._last_commit_step = rec.step
+        self._resumed_at(rec.step)
+        self._committed.add(rec.step)  # on storage: the durable tier never saves this step again
         if self.rank == 0:  # at the same world size the run continues exactly: the same first losses
             same = rec.world_size == self.world_size
             self._resume_check.resumed(recorded_losses(rec.path, self.settings.storage_options) if same else {})
@@ -618,30 +619,30 @@ class CheckpointManager:
         return rec
 
 
-    def _restore_local(self, state: TrainState) -> Optional[CheckpointInfo]:
-        """The local tier's newest complete snapshot, when newer than the durable tier's newest (collective)."""
+    def _resumed_at(self, step: int) -> None:
+        """The run goes on from checkpoint ``step`` (either tier): the newest checkpoint, its age counted from now."""
+        self.resumed_from = step
+        self._last_save_time = self._last_commit_time = time.monotonic()
+        self._last_commit_step = step
+
+    def _restore_local(self, state: TrainState, listed: Optional[list[CheckpointInfo]]) -> Optional[CheckpointInfo]:
+        """The local tier's newest complete snapshot, when newer than the durable tier's newest in rank 0's
+        ``listed`` (collective)."""
         assert self._local is not None
-        durable = self._group.broadcast(_newest_step(self.root, self.settings.storage_options)
-                                        if self.rank == 0 else None)
+        newest = choose_for_restore(listed) if listed is not None else []
+        durable = self._group.broadcast(newest[0].step if newest else None)
         snapshot = self._local.recover(state, durable)
         if snapshot is None:
             return None
         self._local.after_restore(snapshot.step)
         rec = CheckpointRecord(step=snapshot.step, path=self._local.job_dir, committed=True,
                                world_size=snapshot.world_size, epoch=snapshot.epoch, wall_time=snapshot.wall_time)
-        self.resumed_from = rec.step
-        self._last_save_time = self._last_commit_time = time.monotonic()
-        self._last_commit_step = rec.step
+        self._resumed_at(rec.step)
         if self.rank == 0:
             self._resume_check.resumed({})
             log.info("ckpt_core: resumed from the local tier at step %d (durable tier's newest: step %s)",
                      rec.step, durable)
         return rec
-
-
-def _newest_step(root: str, storage_options: Mapping[str, Any]) -> Optional[int]:
-    cands = choose_for_restore(list_records(root, storage_options))
-    return cands[0].step if cands else None
 
 
 def _saves(s: CheckpointSettings) -> bool:

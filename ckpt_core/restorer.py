@@ -50,8 +50,8 @@ class Restorer:
         self._weights_only = False
         self._signing_key = signing.settings_key(settings)
 
-    def restore(self, state: TrainState, step: Optional[int], path: Optional[str], weights_only: bool = False
-                ) -> tuple[Optional[CheckpointInfo], set[int]]:
+    def restore(self, state: TrainState, step: Optional[int], path: Optional[str], weights_only: bool = False,
+                listed: Optional[list[CheckpointInfo]] = None) -> tuple[Optional[CheckpointInfo], set[int]]:
         """The checkpoint restored into ``state`` (None: nothing to restore) and the committed steps listed.
 
         ``step``/``path`` ask for exactly one checkpoint: a problem with it raises ``RestoreError``;
@@ -64,7 +64,8 @@ class Restorer:
         self.timings = {}
         self.fallbacks = 0
         explicit = step is not None or path is not None
-        candidates, committed = self._group.broadcast(self._candidates(step, path) if self._group.rank == 0 else None)
+        candidates, committed = self._group.broadcast(
+            self._candidates(step, path, listed) if self._group.rank == 0 else None)
         if explicit and not candidates:
             raise RestoreError(f"no committed checkpoint at step {step} under {self.root}")
         for rec in candidates:
@@ -118,11 +119,12 @@ class Restorer:
         return self._group.broadcast(moved)
 
     # ---------------------------------------------------------------- rank 0
-    def _candidates(self, step: Optional[int], path: Optional[str]) -> tuple[list[CheckpointInfo], set[int]]:
+    def _candidates(self, step: Optional[int], path: Optional[str], listed: Optional[list[CheckpointInfo]]
+                    ) -> tuple[list[CheckpointInfo], set[int]]:
         if path is not None:
             fs, fs_path = get_fs(path, **self.settings.storage_options)
             return [record_at(fs, path.rstrip("/"), fs_path)], set()
-        records = list_records(self.root, self.settings.storage_options)
+        records = listed if listed is not None else list_records(self.root, self.settings.storage_options)
         chosen = choose_for_restore(records, step)
         if step is None:
             self.fallbacks += _report_skipped(records, chosen[0].step if chosen else -1)
