@@ -103,12 +103,22 @@ class LocalTier:
         return self.owner_dir(owner)
 
     def _slot_map(self, owner: int) -> dict[int, Optional[int]]:
+        """Slot -> the step whose record points at it, read from the owner directory once (then kept up to date).
+
+        A record that cannot be read, or that points at a slot a newer record also points at (its bytes were
+        overwritten), is removed here, so that the map accounts for every record of the rotating slots.
+        """
         with self._lock:
             if owner not in self._slots:
+                directory = self.owner_dir(owner)
                 slots: dict[int, Optional[int]] = {k: None for k in range(self.keep + 1)}
-                for step, path in snap.list_records(self.owner_dir(owner)).items():
+                for step, path in sorted(snap.list_records(directory).items()):
                     rec = snap.read_record(path)
-                    if rec is not None and rec.slot in slots and (slots[rec.slot] or -1) < step:
+                    if rec is None:
+                        snap.uncommit(directory, step)
+                    elif rec.slot in slots:
+                        if slots[rec.slot] is not None:
+                            snap.uncommit(directory, slots[rec.slot])  # type: ignore[arg-type]
                         slots[rec.slot] = step
                 self._slots[owner] = slots
             return self._slots[owner]
@@ -118,10 +128,8 @@ class LocalTier:
         directory = self._ensure_dirs(owner)
         slots = self._slot_map(owner)
         k = layout.slot_to_reuse(slots)
-        for step, path in snap.list_records(directory).items():  # every record that points at slot k goes first
-            rec = snap.read_record(path)
-            if rec is None or rec.slot == k:
-                snap.uncommit(directory, step)
+        if slots[k] is not None:
+            snap.uncommit(directory, slots[k])  # type: ignore[arg-type]
         slots[k] = None
         path = snap.slot_path(directory, k)
         mapped = self._maps.get(path)
