@@ -132,7 +132,9 @@ def test_a_snapshot_killed_while_replicating_never_counts(tmp_path, core_referen
     logs = two_nodes(work, work / "nodeA", work / "nodeB", [*TRAIN, *LOCAL, "--kill-at-step", "17"],
                      script=STALLING, env={"STALL_REPLICAS_OF_STEP": "16"})
     assert "Signal 9 (SIGKILL)" in "".join(logs)
-    assert [r.name for r in records(work / "nodeA", 2)] == ["step_14.json"]  # the replica of 16 never committed
+    # the replica of 16 never committed (whether its slot was claimed before the kill depends on timing: 12 may stay)
+    kept = [r.name for r in records(work / "nodeA", 2)]
+    assert "step_14.json" in kept and "step_16.json" not in kept, kept
     shutil.rmtree(work / "nodeB")
     for f in work.glob("out.*"):
         f.unlink()
