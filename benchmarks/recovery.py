@@ -13,8 +13,10 @@ cycle to the next:
 
 * ``durable``: a save every ``--every`` steps (``CheckpointManager(async_mode=...)``,
   ``keep_last=2``);
-* ``local``: the same, plus a local-tier snapshot every ``--local-every``
-  steps (default ``--every / 5``) into a fresh temporary directory under
+* ``local``: a durable save every ``--local-durable-every`` steps (default
+  ``--every``: the same; a sparser cadence pays for the snapshots, so that
+  both variants train at the same overhead), plus a local-tier snapshot
+  every ``--local-every`` steps (default ``--every / 5``) into a fresh temporary directory under
   ``--local-dir`` (default ``/dev/shm``, removed at the end). Each rank is a
   node of its own (``local_node_size=1``, ``local_dir=<dir>/node<rank>``), so
   with ``--ranks 2`` every snapshot is replicated to the other rank's "node"
@@ -557,7 +559,9 @@ def run_variant(args: argparse.Namespace, base: dict, i: int, tier: str, kill_at
                  "factor": 2 if ranks // node_size >= 2 else 1}
         os.makedirs(local["dir"], mode=0o700)
     run_id = f"bench-recovery-{args.stamp}-{name}"  # the relaunch is the same job: it finds its snapshots
-    common = {**base, "root": root, "storage_options": storage.options, "local": local, "run_id": run_id}
+    every = args.local_durable_every if tier == "local" else args.every
+    common = {**base, "every": every, "root": root, "storage_options": storage.options, "local": local,
+              "run_id": run_id}
     try:
         with tempfile.TemporaryDirectory(prefix="ckpt-bench-rec-") as tmp:
             progress = os.path.join(tmp, "progress.jsonl")
@@ -618,7 +622,7 @@ def run_variant(args: argparse.Namespace, base: dict, i: int, tier: str, kill_at
         "restore_rss_ratio": max(g["rss"]["rss_ratio"] for g in gathered),
         "restore_rss_added": max(g["rss"]["peak_rss_added"] for g in gathered),
         "local_bytes": local_bytes,
-        **training_figures(lines, args.every, local_bytes, local["factor"] if local else 1),
+        **training_figures(lines, every, local_bytes, local["factor"] if local else 1),
         **limits(gathered, tim, read),
     }
 
@@ -732,7 +736,8 @@ def compare(cycles: list, args: argparse.Namespace) -> tuple[dict, list]:
 
 
 def print_summary(s: dict, args: argparse.Namespace, ranks: int, tier: str) -> None:
-    every = f"save every {args.every} steps" + (f", snapshot every {args.local_every}" if tier == "local" else "")
+    every = (f"save every {args.local_durable_every} steps, snapshot every {args.local_every}" if tier == "local"
+             else f"save every {args.every} steps")
     print(f"\n-- recovery, {LABELS[tier]}, {ranks} rank(s), state {args.size_bytes / C.GiB:.3g} GiB, durable tier on "
           f"{args.storage}, {every} (step ~{C.fmt(s['baseline_step_s'], '.2f')}s), {s['n']} cycles, page cache "
           f"{'warm' if args.warm else 'evicted'} --")
@@ -786,7 +791,8 @@ def print_comparison(suite: dict, args: argparse.Namespace) -> None:
     s, cmp = suite["summary"], suite["comparison"]
     d, loc = s["durable"], s["local"]
     print(f"\n-- local tier against the durable tier ({args.storage}), {suite['ranks']} rank(s), "
-          f"{args.size_bytes / C.GiB:.3g} GiB, durable every {args.every} steps, local every {args.local_every}, "
+          f"{args.size_bytes / C.GiB:.3g} GiB, durable every {args.every} steps (with the local tier: every "
+          f"{args.local_durable_every}), local every {args.local_every}, "
           f"{cmp['n']} paired cycles (same kill steps) --")
 
     def pct(x: Optional[float]) -> str:
@@ -829,6 +835,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         "alone), local (local tier + durable tier); default both")
     p.add_argument("--local-every", type=int, default=None,
                    help="local tier: snapshot every N steps (default: --every / 5)")
+    p.add_argument("--local-durable-every", type=int, default=None,
+                   help="the local variant's durable save every N steps (default: --every); a sparser durable "
+                        "cadence compares the two variants at the same training overhead")
     p.add_argument("--local-dir", default="/dev/shm",
                    help="where the local tier's fresh temporary directory goes (default /dev/shm: node memory)")
     p.add_argument("--storage", default="disk", choices=("disk", "s3"),
@@ -856,6 +865,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     a.repeats = a.repeats if a.repeats is not None else (2 if q else 5)
     a.every = a.every if a.every is not None else (10 if q else 20)
     a.local_every = a.local_every if a.local_every is not None else max(1, a.every // 5)
+    a.local_durable_every = a.local_durable_every or a.every
     a.step_s = a.step_s if a.step_s is not None else (0.05 if q else 0.5)
     a.tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
     bad = [t for t in a.tiers if t not in TIERS]

@@ -68,7 +68,8 @@ CKPT_THREAD = "ckpt[thread]"
 CKPT_PROCESS = "ckpt[process]"
 CKPT_BUDGET = "ckpt[process,budget]"
 LOOP_PREFIX = "loop:"
-LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD)
+CKPT_NICE0 = "ckpt[process,nice=0]"
+LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD, CKPT_NICE0)
 DEFAULT_LOOP_KINDS = (TORCH_SAVE, CKPT_PROCESS)
 COMPONENTS = ("copy", "crc32c", "fingerprint", "pagecache", "fsync")
 """The pieces of a write whose CPU is measured on their own, as ``<name>_cpu_s`` in ``measure_refs``."""
@@ -84,20 +85,24 @@ DESCRIPTIONS = {
     CKPT_THREAD: "CheckpointManager(async_mode='thread')",
     CKPT_PROCESS: "CheckpointManager(async_mode='process'), the default",
     CKPT_BUDGET: "CheckpointManager(async_mode='process', max_host_memory_bytes=state/2): saves synchronously",
+    CKPT_NICE0: "CheckpointManager(async_mode='process', writer_nice=0): the writer at the trainer's priority",
 }
 
 
 def ckpt_spec(name: str, default_wt: int) -> Optional[dict]:
-    """``ckpt[process,wt=4]`` -> {'mode': 'process', 'wt': 4, 'budget': False}; None for other variants."""
+    """``ckpt[process,wt=4,nice=0]`` -> {'mode': 'process', 'wt': 4, 'budget': False, 'nice': 0}; None for other
+    variants (``nice`` None: the setting's default)."""
     if not name.startswith("ckpt["):
         return None
     parts = name[5:-1].split(",")
-    out = {"mode": parts[0], "wt": default_wt, "budget": False}
+    out = {"mode": parts[0], "wt": default_wt, "budget": False, "nice": None}
     for p in parts[1:]:
         if p == "budget":
             out["budget"] = True
         elif p.startswith("wt="):
             out["wt"] = int(p[3:])
+        elif p.startswith("nice="):
+            out["nice"] = int(p[5:])
     return out
 
 
@@ -267,9 +272,10 @@ class Ops:
         ctx, rank = self.ctx, self.ctx.rank
         budget = max(1, ctx.local_bytes // 2) if ck["budget"] else None
         self.extra["max_host_memory_bytes"] = budget
+        nice = {} if ck["nice"] is None else {"writer_nice": ck["nice"]}
         self.mgr = CheckpointManager(self.root, async_mode=ck["mode"], writer_threads=ck["wt"],
                                      max_host_memory_bytes=budget, keep_last=1 if self.loop else None,
-                                     resume=False)
+                                     resume=False, **nice)
         state = TrainState(model=ctx.model)
         self._start = lambda i: self.mgr.save(i + 1, state)
         self._wait = lambda h: self.mgr.wait()

@@ -300,7 +300,9 @@ def _local_json(listing: Listing, now: float) -> dict[str, Any]:
         "snapshots": [{
             "job": g.job, "step": g.step, "world_size": g.world_size, "ranks": sorted(g.owners),
             "missing": [list(r) for r in g.missing()], "complete": g.complete, "bytes": g.bytes,
-            "wall_time": g.wall_time, "age_s": now - g.wall_time,
+            "wall_time": g.wall_time, "age_s": now - g.wall_time, "own": sorted(g.own),
+            "replicas": sorted(g.replicas), "nodes": sorted(g.nodes), "hosts": sorted(g.hosts),
+            "other_copies_on_nodes": sorted(g.elsewhere),
         } for g in listing.groups],
         "unreadable": [{"path": u.path, "reason": u.reason} for u in listing.unreadable],
     }
@@ -313,7 +315,8 @@ def _local_lines(listing: Listing, run_id: Optional[str], now: float) -> list[st
         lines.append(f"  note: {listing.note}")
     rows = [[g.job, f"step {g.step}", f"world {g.world_size}", g.ranks_text(),
              "complete" if g.complete else "incomplete", human_bytes(g.bytes),
-             f"{_wall_time(g.wall_time)} ({human_age(now - g.wall_time)} ago)"] for g in listing.groups]
+             f"{_wall_time(g.wall_time)} ({human_age(now - g.wall_time)} ago)", g.held_text()]
+            for g in listing.groups]
     if rows:
         lines += ["  " + line for line in _table(rows, right=(5,))]
     elif not listing.unreadable:

@@ -56,6 +56,11 @@ def replica_sources(rank: int, world_size: int, node_size: int, factor: int) -> 
     return [(rank - j * node_size) % world_size for j in range(1, factor)]
 
 
+def copy_nodes(owner: int, world_size: int, node_size: int, factor: int) -> list[int]:
+    """The nodes that keep a copy of ``owner``'s snapshots: its own node first, then its replicas' nodes."""
+    return [node_of(r, node_size) for r in [owner] + replica_targets(owner, world_size, node_size, factor)]
+
+
 def owners_scanned_by(rank: int, world_size: int, node_size: int) -> list[int]:
     """The owners whose snapshots ``rank`` looks for on its node: the ranks of its node share the work."""
     return [o for o in range(world_size) if o % node_size == rank % node_size]
@@ -120,4 +125,25 @@ def slot_to_reuse(slots: Mapping[int, Optional[int]]) -> int:
 
 def space_needed(own_bytes: int, keep: int, factor: int, ranks_on_node: int) -> int:
     """Bytes a node's ``local_dir`` holds at most: ``keep + 1`` slots per snapshot kept, own and replicas."""
-    return (keep + 1) * factor * own_bytes * ranks_on_node
+    return ranks_on_node * host_bytes_per_rank(own_bytes, keep, factor)
+
+
+def host_bytes_per_rank(own_bytes: int, keep: int, factor: int) -> int:
+    """Host memory one rank's slots take: ``keep + 1`` slots of its own snapshot and of each replica it keeps
+    (``factor - 1`` of them), each about its own state's size."""
+    return (keep + 1) * factor * own_bytes
+
+
+def budget_problem(own_bytes: int, keep: int, factor: int, limit: Optional[int]) -> Optional[str]:
+    """Why the local tier's slots do not fit in ``max_host_memory_bytes`` (None: they fit, or no limit)."""
+    need = host_bytes_per_rank(own_bytes, keep, factor)
+    if limit is None or need <= limit:
+        return None
+    return (f"the local tier's slots need {size_text(need)} of host memory per rank ((local_keep {keep} + 1) x "
+            f"{factor} copies x {size_text(own_bytes)}), more than max_host_memory_bytes allows "
+            f"({size_text(limit)}); raise max_host_memory_bytes, or lower local_keep or replication_factor")
+
+
+def size_text(nbytes: int) -> str:
+    """``812 bytes`` below 1 MiB, else ``3.5 MiB``."""
+    return f"{nbytes} bytes" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"

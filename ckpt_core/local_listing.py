@@ -21,6 +21,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from . import local_layout as layout
 from .local_record import (RECORD_RE, SnapshotError, SnapshotRecord, default_local_dir, job_key,  # noqa: F401
                            parse_record)
 
@@ -53,6 +54,42 @@ class Group:
     owners: list[int] = field(default_factory=list)
     bytes: int = 0
     wall_time: float = 0.0
+    own: list[int] = field(default_factory=list)
+    """Owners whose copy here is their own snapshot (written by the owner on this node)."""
+    replicas: list[int] = field(default_factory=list)
+    """Owners whose copy here is a replica received from another node."""
+    nodes: set[int] = field(default_factory=set)
+    """The node index (rank // ranks per node) of the ranks holding these copies: this node."""
+    hosts: set[str] = field(default_factory=set)
+    elsewhere: set[int] = field(default_factory=set)
+    """The other nodes that keep a copy of the owners held here (from the run's replica placement)."""
+
+    def add(self, rec: SnapshotRecord) -> None:
+        """Count one committed copy found on this node."""
+        self.owners.append(rec.owner)
+        self.bytes += rec.data_bytes + rec.extra_bytes
+        self.wall_time = max(self.wall_time, rec.wall_time)
+        if rec.holder < 0:
+            return  # written before records said who holds them
+        (self.own if rec.holder == rec.owner else self.replicas).append(rec.owner)
+        self.hosts.update([rec.host] if rec.host else [])
+        if rec.node_size > 0 and rec.factor > 0 and rec.world_size % rec.node_size == 0:
+            here = layout.node_of(rec.holder, rec.node_size)
+            self.nodes.add(here)
+            self.elsewhere.update(layout.copy_nodes(rec.owner, rec.world_size, rec.node_size, rec.factor))
+        self.elsewhere -= self.nodes
+
+    def held_text(self) -> str:
+        """``node 1 (host b): own 2,3, replicas of 0,1; other copies on node 0`` (empty when not recorded)."""
+        if not self.own and not self.replicas:
+            return ""
+        where = "node " + ",".join(map(str, sorted(self.nodes))) if self.nodes else "this node"
+        where += f" ({','.join(sorted(self.hosts))})" if self.hosts else ""
+        parts = ([f"own {spans(ranges(self.own))}"] if self.own else []) + \
+            ([f"replicas of {spans(ranges(self.replicas))}"] if self.replicas else [])
+        other = ("other copies on node " + ",".join(map(str, sorted(self.elsewhere))) if self.elsewhere
+                 else "no copy on another node") if self.nodes else ""
+        return f"{where}: {', '.join(parts)}" + (f"; {other}" if other else "")
 
     @property
     def complete(self) -> bool:
@@ -189,10 +226,7 @@ def _scan_job(root: str, job: str, groups: dict[tuple[str, int, int], Group], ou
                 continue
             if rec is None:
                 continue
-            g = groups.setdefault((job, rec.step, rec.world_size), Group(job, rec.step, rec.world_size))
-            g.owners.append(owner)
-            g.bytes += rec.data_bytes + rec.extra_bytes
-            g.wall_time = max(g.wall_time, rec.wall_time)
+            groups.setdefault((job, rec.step, rec.world_size), Group(job, rec.step, rec.world_size)).add(rec)
 
 
 def _read(root: str, path: str, job: str, owner: int, step: int) -> Optional[SnapshotRecord]:

@@ -19,6 +19,8 @@ FORMAT = "ckpt-local-snapshot"
 VERSION = 1
 ALIGN = 64
 RECORD_RE = re.compile(r"step_([0-9]{1,19})\.json", re.ASCII)
+HOST_RE = re.compile(r"[A-Za-z0-9._-]{0,253}\Z", re.ASCII)
+"""A host name as a record may carry it (shown by ``ckpt ls``: no control characters, bounded)."""
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
@@ -70,11 +72,19 @@ class SnapshotRecord:
     treespec: str
     tensors: tuple[TensorEntry, ...]
     wall_time: float
+    holder: int = -1
+    """The rank that committed this copy (the owner, or the rank keeping a replica); -1: not recorded."""
+    node_size: int = 0
+    """Ranks per node of the run that wrote it (which node keeps which copy); 0: not recorded."""
+    factor: int = 0
+    """Its replication factor; 0: not recorded."""
+    host: str = ""
+    """The host name of the holder (what ``ckpt ls`` shows)."""
 
     def to_json(self) -> bytes:
         body = {"format": FORMAT, "version": VERSION, **{k: getattr(self, k) for k in (
             "job", "owner", "world_size", "step", "epoch", "slot", "data_bytes", "data_crc32c", "small_bytes",
-            "extra_bytes", "extra_crc32c", "treespec", "wall_time")},
+            "extra_bytes", "extra_crc32c", "treespec", "wall_time", "holder", "node_size", "factor", "host")},
             "tensors": [[t.leaf, t.dtype, list(t.shape), t.offset, t.nbytes, list(t.fingerprint)]
                         for t in self.tensors]}
         return json.dumps(body, separators=(",", ":")).encode()
@@ -93,9 +103,12 @@ def parse_record(text: bytes, what: str) -> SnapshotRecord:
     rec = SnapshotRecord(
         f.str("job"), f.int("owner"), f.int("world_size", minimum=1), f.int("step"), f.int("epoch"), f.int("slot"),
         data_bytes, f.int("data_crc32c", maximum=2**32 - 1), f.int("small_bytes"), f.int("extra_bytes"),
-        f.int("extra_crc32c", maximum=2**32 - 1), f.str("treespec"), tensors, f.float("wall_time"))
-    if rec.owner >= rec.world_size or rec.small_bytes > rec.extra_bytes:
-        raise SnapshotError(f"{what}: owner {rec.owner} / small_bytes {rec.small_bytes} out of range")
+        f.int("extra_crc32c", maximum=2**32 - 1), f.str("treespec"), tensors, f.float("wall_time"),
+        f.int("holder", minimum=-1, default=-1), f.int("node_size", default=0), f.int("factor", default=0),
+        f.str("host", HOST_RE, default=""))
+    if rec.owner >= rec.world_size or rec.small_bytes > rec.extra_bytes or rec.holder >= rec.world_size:
+        raise SnapshotError(f"{what}: owner {rec.owner} / holder {rec.holder} / small_bytes {rec.small_bytes} "
+                            "out of range")
     return rec
 
 

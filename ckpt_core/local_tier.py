@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import stat
 import threading
 import time
@@ -29,7 +30,7 @@ from . import local_snapshot as snap
 from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .errors import describe
-from .local_record import default_local_dir, job_key
+from .local_record import HOST_RE, default_local_dir, job_key
 from .schedule import SaveSchedule
 from .local_transfer import Incoming, Outgoing, exchange
 from .state import TrainState
@@ -39,6 +40,8 @@ log = logging.getLogger("ckpt_core")
 DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --shm-size, a Kubernetes emptyDir with "
                "medium: Memory); give it more room, lower local_keep, or set local_dir to another directory")
 
+
+_HOST = socket.gethostname() if HOST_RE.match(socket.gethostname()) else ""
 
 LOCAL_MIN_INTERVAL_S = 0.01
 """Lower clamp of ``local_interval="auto"``: the measured checksum+replication time is the real floor."""
@@ -67,6 +70,7 @@ class LocalTier:
         env_size = os.environ.get("LOCAL_WORLD_SIZE")
         self.node_size = settings.local_node_size or (int(env_size) if env_size and env_size.isdigit() else
                                                       world_size)
+        self._node_from_env = settings.local_node_size is None and bool(env_size and env_size.isdigit())
         self.factor = settings.replication_factor or layout.default_factor(world_size, self.node_size)
         problem = layout.layout_problem(world_size, self.node_size, self.factor)
         if problem is not None:
@@ -75,6 +79,7 @@ class LocalTier:
         self.job = job_key(run_id)
         self.job_dir = os.path.join(self.root, self.job)
         self.cleanup_at_end = settings.local_cleanup
+        self.host_limit = settings.max_host_memory_bytes
         self._group, self.process_group = group, process_group
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-local")
         self._pending: Optional[Future] = None
@@ -82,6 +87,7 @@ class LocalTier:
         self._maps: dict[str, torch.Tensor] = {}  # slot path -> its mapping (reused while the size stays)
         self._lock = threading.Lock()
         self._space_checked = False
+        self._own_bytes = 0  # this rank's snapshot size, measured at the space check
         self._started = False
         self.last_step: Optional[int] = None
         self.timings: dict[str, float] = {}  # of the last recovery (``local_recovery.Recovery.timings``)
@@ -209,7 +215,7 @@ class LocalTier:
         if staged is not None:
             try:
                 slot, data = staged
-                rec = snap.seal(cap, data, self.job, self.rank, self.world_size, slot)
+                rec = replace(snap.seal(cap, data, self.job, self.rank, self.world_size, slot), **self._held_here())
                 extra = cap.small + cap.others
                 snap.commit(self.owner_dir(self.rank), rec, extra)
                 self._slot_map(self.rank)[slot] = rec.step
@@ -253,15 +259,20 @@ class LocalTier:
                 raise snap.SnapshotError(f"{what} is a snapshot of rank {got.owner} at step {got.step}")
             snap.check_bytes(got, inc.data, inc.extra, what)
             _before_replica_commit(inc.src, step)
-            snap.commit(self.owner_dir(inc.src), replace(got, slot=slot), inc.extra)
+            snap.commit(self.owner_dir(inc.src), replace(got, slot=slot, **self._held_here()), inc.extra)
         except (OSError, snap.SnapshotError) as e:
             log.warning("ckpt_core: %s is not kept: %s", what, describe(e))
             return
         self._slot_map(inc.src)[slot] = step
 
+    def _held_here(self) -> dict[str, Any]:
+        """The record fields that say which rank, node and host keep a copy (what ``ckpt ls`` shows)."""
+        return {"holder": self.rank, "node_size": self.node_size, "factor": self.factor, "host": _HOST}
+
     def check_space(self, own_bytes: int) -> None:
         """Collective: ``LocalTierError`` on every rank when some node's ``local_dir`` lacks the room it needs."""
         self._space_checked = True
+        self._own_bytes = own_bytes
         need = layout.space_needed(own_bytes, self.keep, self.factor, self.node_size)
         problem = None
         try:
@@ -275,12 +286,30 @@ class LocalTier:
                                     f"{DOCKER_HINT}")
         except (OSError, LocalTierError) as e:
             problem = ("dir", str(e))
+        over = layout.budget_problem(own_bytes, self.keep, self.factor, self.host_limit)
+        problem = problem or (("budget", f"local tier: {over}") if over else None) or self._layout_problem()
         agreed = first_problem(self._group, problem)
         if agreed is not None:
             raise LocalTierError(agreed[1])
         log.info("ckpt_core: local tier in %s: %s, keep %d, replication factor %d (%d ranks per node), up to %.1f "
                  "MiB of node memory per node", self.job_dir, _cadence(self.schedule), self.keep, self.factor,
                  self.node_size, need / 2**20)
+
+    def _layout_problem(self) -> Optional[tuple[str, str]]:
+        """Placement takes ranks ``n * node_size`` to ``(n + 1) * node_size - 1`` to share node ``n``; under
+        torchrun, ``GROUP_RANK`` says which node a rank is on, and the two must agree."""
+        group_rank = os.environ.get("GROUP_RANK", "")
+        node = self.rank // self.node_size
+        if not self._node_from_env or not group_rank.isdigit() or int(group_rank) == node:
+            return None
+        return ("layout", f"local tier: rank {self.rank} runs on node {group_rank} (GROUP_RANK) but LOCAL_WORLD_SIZE "
+                          f"{self.node_size} places it on node {node}: the local tier's replica placement needs "
+                          "every node to run the same number of ranks (the same torchrun --nproc-per-node)")
+
+    def host_bytes(self, state_nbytes: int) -> int:
+        """The host memory this rank's slots take (counted in ``max_host_memory_bytes`` next to the durable
+        tier's staging copy): from the snapshot size measured at the space check, else ``state_nbytes``."""
+        return layout.host_bytes_per_rank(self._own_bytes or state_nbytes, self.keep, self.factor)
 
     # ------------------------------------------------------------ recover
     def recover(self, state: TrainState, durable_step: Optional[int]) -> Optional[snap.SnapshotRecord]:

@@ -149,8 +149,10 @@ class CheckpointManager:
         self._lease: Optional[lease_holder.RootLease] = None
         self._lease_finalizer: Optional[weakref.finalize] = None
         self._local: Optional[LocalTier] = self._make_local_tier()
-        if self._local is not None and self._local.schedule.needs_time_sync:
-            self._exchanges = self.world_size > 1  # the local tier's time trigger: rank 0's clock decides
+        if self._local is not None:
+            self._saver.reserved_host_bytes = self._local.host_bytes  # its slots count in max_host_memory_bytes
+            if self._local.schedule.needs_time_sync:
+                self._exchanges = self.world_size > 1  # the local tier's time trigger: rank 0's clock decides
         if _saves(s):  # a run that saves by itself takes the root's lease at start: a second job is refused now
             self._guard_lease()
         _LIVE.add(self)

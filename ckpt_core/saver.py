@@ -21,7 +21,7 @@ import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -105,6 +105,8 @@ class Saver:
         self.settings, self._pg, self._control = settings, process_group, control
         self._signing_key = signing.settings_key(settings)
         self.inflight: Optional[InFlight] = None
+        self.reserved_host_bytes: Callable[[int], int] = lambda state_nbytes: 0
+        """Host memory held elsewhere for a state of this size (the local tier's slots), within the budget."""
         self._plan_key = f"ckpt_core.Saver-{uuid.uuid4().hex}"
         self.stager: Optional[DefaultStager] = None
         if settings.async_mode != "off":
@@ -222,9 +224,13 @@ class Saver:
         mode, limit = self.settings.async_mode, self.settings.max_host_memory_bytes
         if mode != "off" and limit is not None:
             nbytes = state_bytes(state)
-            if nbytes > limit:
-                log.warning("ckpt_core: state of %d bytes exceeds max_host_memory_bytes=%d; saving synchronously "
-                            "(no staging copy) instead of asynchronously", nbytes, limit)
+            reserved = self.reserved_host_bytes(nbytes)
+            # collective: ranks of uneven shards agree, so that none writes synchronously while the others
+            # hand their writes to the background (their collectives would never meet)
+            if any(self._control.all_gather(nbytes + reserved > limit)):
+                held = f" with the local tier's {reserved} bytes of slots" if reserved else ""
+                log.warning("ckpt_core: a staging copy of %d bytes%s exceeds max_host_memory_bytes=%d; saving "
+                            "synchronously (no staging copy) instead of asynchronously", nbytes, held, limit)
                 return "off"
         return mode
 

@@ -87,12 +87,16 @@ def _section(out: str) -> list[str]:
     return lines[start:]
 
 
+HOST = local_tier._HOST
+ONE_NODE = f"node 0 ({HOST}): own 0; no copy on another node"
+
+
 def _row(local: Path, job: str, step: int, now: float, ranks: str = "ranks 0", world: int = 1,
-         held: str = "complete", owners: tuple[int, ...] = (0,)) -> str:
+         held: str = "complete", owners: tuple[int, ...] = (0,), where: str = ONE_NODE) -> str:
     recs = [_record(local, job, o, step) for o in owners]
     size = human_bytes(sum(r.data_bytes + r.extra_bytes for r in recs))
     newest = max(r.wall_time for r in recs)
-    return f"  {job}  step {step}  world {world}  {ranks}  {held}  {size}  {_when(newest)} (10m ago)"
+    return f"  {job}  step {step}  world {world}  {ranks}  {held}  {size}  {_when(newest)} (10m ago)  {where}"
 
 
 # ------------------------------------------------------------- the listing
@@ -142,7 +146,8 @@ def test_json_has_the_local_section(capsys, monkeypatch, dirs):
     assert body["local"] == {
         "dir": str(local), "job": JOB_A, "note": None, "unreadable": [],
         "snapshots": [{"job": JOB_A, "step": s, "world_size": 1, "ranks": [0], "missing": [], "complete": True,
-                       "bytes": r.data_bytes + r.extra_bytes, "wall_time": r.wall_time, "age_s": now - r.wall_time}
+                       "bytes": r.data_bytes + r.extra_bytes, "wall_time": r.wall_time, "age_s": now - r.wall_time,
+                       "own": [0], "replicas": [], "nodes": [0], "hosts": [HOST], "other_copies_on_nodes": []}
                       for s, r in recs.items()]}
 
 
@@ -155,7 +160,7 @@ def _forge(local: Path, job: str, owner: int, step: int, src_owner: int = 0, **c
         shutil.copy(src / f"slot_{body['slot']}.data", dst / f"slot_{body['slot']}.data")
         shutil.copy(src / f"step_{step}.extra", dst / f"step_{step}.extra")
     path = dst / f"step_{step}.json"
-    path.write_text(json.dumps({**body, "owner": owner, **changes}))
+    path.write_text(json.dumps({**body, "owner": owner, "holder": owner, **changes}))
     return path
 
 
@@ -164,11 +169,11 @@ def test_a_node_holding_some_ranks_of_a_larger_world(capsys, monkeypatch, dirs):
     now = _record(local, JOB_A, 0, 6).wall_time + 600
     _freeze(monkeypatch, now)
     for owner in (0, 1, 3):  # a world of 4 in which this node holds no copy of rank 2's step 6
-        _forge(local, JOB_A, owner, 6, world_size=4)
+        _forge(local, JOB_A, owner, 6, world_size=4, node_size=4)
     code, out, _ = run_cli(capsys, "ls", root, "--local-dir", str(local), "--run-id", "job-a")
     assert code == 0
     rows = [_row(local, JOB_A, 4, now), _row(local, JOB_A, 6, now, "ranks 0,1,3 (missing 2)", 4, "incomplete",
-                                              (0, 1, 3))]
+                                              (0, 1, 3), f"node 0 ({HOST}): own 0,1,3; no copy on another node")]
     # the table pads the shorter cells of step 4's row to step 6's widths
     assert _section(out) == [f"local tier (this node: {local})",
                              rows[0].replace("ranks 0  complete  ", "ranks 0                  complete    "), rows[1]]
@@ -203,7 +208,7 @@ def test_malformed_and_hostile_records_are_shown_as_unreadable(capsys, monkeypat
     # the rows of steps 4 and 6 are padded to the width of "step 26"
     assert lines[1:3] == [_row(local, JOB_A, s, now).replace(f"step {s}  ", f"step {s}   ") for s in (4, 6)]
     assert lines[3].startswith(f"  {JOB_A}  step 26  world 1  ranks 0  complete  ")  # a valid record...
-    assert lines[3].endswith("  - (0s ago)")  # ...saved in the year 10^292
+    assert "  - (0s ago)  " in lines[3] and lines[3].endswith(f"  {ONE_NODE}")  # ...saved in the year 10^292
     r = f"{JOB_A}/rank_0"
     assert lines[4:] == [
         f"  unreadable: {r}/step_024.json is not a record name the local tier writes",

@@ -266,6 +266,66 @@ def test_no_room_in_local_dir_is_an_error_before_training_starts(tmp_path, monke
             m.resume(state)
 
 
+def _state_nbytes(run) -> int:
+    from ckpt_core.saver import state_bytes
+
+    return state_bytes(run.state)
+
+
+def _snapshot_nbytes(run) -> int:
+    cap = snap.capture(run.state)
+    return cap.data_bytes + len(cap.small) + len(cap.others)
+
+
+def test_slots_beyond_the_host_memory_budget_are_an_error_before_training_starts(tmp_path):
+    """(local_keep + 1) x factor x state of slots against max_host_memory_bytes: refused at start, by name."""
+    run = _run()
+    with _manager(tmp_path, max_host_memory_bytes=_snapshot_nbytes(run)) as m:  # 2 slots of 1x state > 1x
+        with pytest.raises(LocalTierError, match=r"need \d+ bytes of host memory per rank \(\(local_keep 1 \+ 1\) "
+                                                 r"x 1 copies.*max_host_memory_bytes"):
+            m.resume(run.state)
+    assert not list((tmp_path / "local").glob("job-*/rank_0/slot_*"))
+
+
+def test_durable_staging_goes_synchronous_when_the_slots_fill_the_budget(tmp_path, caplog):
+    """The slots fit (2x state) but not with the durable tier's staging copy (1x more): durable saves are
+    synchronous, the log says why, and the snapshots go on."""
+    run = _run()
+    nbytes, slots = _state_nbytes(run), 2 * _snapshot_nbytes(run)
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"), \
+            _manager(tmp_path, async_mode="thread", max_host_memory_bytes=slots + nbytes // 2) as m:
+        m.resume(run.state)
+        _train(run, m, 0, 5)
+        assert m._saver.inflight is None  # step 5 was durable when maybe_save returned
+        assert len(m._saver.stager._state_dict_stager._cached_storage_mapping) == 0  # nothing staged
+        assert m._local.steps == [2, 4]
+    assert f"with the local tier's {slots} bytes of slots exceeds max_host_memory_bytes" in caplog.text
+
+
+def test_a_budget_with_room_for_slots_and_staging_keeps_saves_asynchronous(tmp_path, caplog):
+    run = _run()
+    nbytes = _state_nbytes(run)
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"), \
+            _manager(tmp_path, async_mode="thread", max_host_memory_bytes=2 * _snapshot_nbytes(run) + nbytes) as m:
+        m.resume(run.state)
+        _train(run, m, 0, 5)
+        assert len(m._saver.stager._state_dict_stager._cached_storage_mapping) > 0  # staged
+    assert "max_host_memory_bytes" not in caplog.text
+
+
+def test_ranks_not_laid_out_by_node_are_refused(tmp_path, monkeypatch):
+    """torchrun's GROUP_RANK says the node; LOCAL_WORLD_SIZE-based placement must put the rank on that node,
+    else replicas could land on the node they protect (nodes with different rank counts)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    with _manager(tmp_path) as m:
+        with pytest.raises(LocalTierError, match=r"rank 0 runs on node 1 \(GROUP_RANK\).*same number of ranks"):
+            m.resume(_run().state)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    with _manager(tmp_path) as m:
+        assert m.resume(_run().state) is None
+
+
 def test_a_local_dir_others_can_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()

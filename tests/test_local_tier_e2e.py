@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, REPO, free_port, load_result
-from helpers_ckpt import assert_same_tree
+from helpers_ckpt import assert_same_tree, run_cli
 
 SCRIPT = EXAMPLES / "core_train.py"
 STALLING = Path(__file__).resolve().parent / "workers" / "local_tier_worker.py"
@@ -92,6 +92,25 @@ def test_resumes_from_node_memory_with_the_nodes_swapped(tmp_path, killed, core_
     assert_exact(work, core_reference(4, *TRAIN), 16, logs)
     # a clean end removes the job's snapshots from both nodes
     assert not list((work / "nodeA").glob("job-*/rank_*/*")) and not list((work / "nodeB").glob("job-*/rank_*/*"))
+
+
+def test_ckpt_ls_on_each_node_says_which_copies_it_holds(capsys, killed):
+    """What the killed run left, listed on each node: its own ranks' snapshots, the replicas of the other
+    node's ranks, and where the other copies are."""
+    from ckpt_core import local_tier
+    from ckpt_core.local_listing import scan
+
+    host = local_tier._HOST
+    for node_dir, node, own, replicas, other in [("nodeA", 0, "0,1", "2,3", 1), ("nodeB", 1, "2,3", "0,1", 0)]:
+        code, out, err = run_cli(capsys, "ls", str(killed / "root"), "--local-dir", str(killed / node_dir),
+                                 "--run-id", "job-17")
+        assert code == 0 and err == ""
+        row = next(line for line in out.splitlines() if "  step 16  " in line)
+        assert "  world 4  ranks 0-3  complete  " in row
+        assert row.endswith(f"  node {node} ({host}): own {own}, replicas of {replicas}; other copies on node {other}")
+        group = next(g for g in scan(str(killed / node_dir)).groups if g.step == 16)
+        assert (sorted(group.own), sorted(group.replicas), group.elsewhere) == (
+            [int(r) for r in own.split(",")], [int(r) for r in replicas.split(",")], {other})
 
 
 def test_a_lost_node_is_restored_from_the_replicas_on_its_peer(tmp_path, killed, core_reference):

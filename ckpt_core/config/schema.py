@@ -152,7 +152,9 @@ class CheckpointSettings:
         None, "local tier: ranks per node (the failure domain); default LOCAL_WORLD_SIZE (torchrun), else all.")
     local_cleanup: bool = _flag(True, "local tier: remove the job's snapshots when training ends without error.")
     max_host_memory_bytes: Optional[int] = _pos_int(
-        None, "bound on staging memory; larger states save synchronously.")
+        None, "bound on host memory per rank for checkpoints: the durable tier's staging copy plus the local "
+              "tier's slots; when both do not fit, durable saves are synchronous (slots alone over it: an error "
+              "at start).")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
                                     "(benchmarks/save.py).", low=1)
     writer_nice: int = _count(10, "async_mode=process: the nice value of the background writer process (0 to 19; "
