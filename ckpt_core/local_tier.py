@@ -27,7 +27,7 @@ import torch
 
 from . import local_layout as layout
 from . import local_snapshot as snap
-from .collectives import RankGroup, first_problem
+from .collectives import RankGroup, all_done, first_problem
 from .config import CheckpointSettings
 from .errors import describe
 from .local_record import HOST_RE, default_local_dir, job_key
@@ -80,6 +80,8 @@ class LocalTier:
         self.job_dir = os.path.join(self.root, self.job)
         self.cleanup_at_end = settings.local_cleanup
         self.host_limit = settings.max_host_memory_bytes
+        self.skip_in_flight = settings.on_in_flight == "skip"
+        self.skipped: list[int] = []  # steps not snapshotted: the previous one was still in the background
         self._group, self.process_group = group, process_group
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-local")
         self._pending: Optional[Future] = None
@@ -165,6 +167,11 @@ class LocalTier:
         its peers' rounds end; the durable tier goes on protecting the run.
         """
         t0 = time.monotonic()
+        if self.skip_in_flight and not self._all_idle():
+            self.skipped.append(step)
+            log.info("ckpt_core: local snapshot of step %d skipped: the snapshot of step %s is still being sealed or "
+                     "replicated (on_in_flight='skip')", step, self.last_step)
+            return False
         self._wait_pending()
         state.step = step
         cap = snap.capture(state)
@@ -186,6 +193,10 @@ class LocalTier:
         self.last_stall_s = self._last_time - t0
         self.schedule.record_cost(self.last_stall_s)
         return staged is not None
+
+    def _all_idle(self) -> bool:
+        """Whether no rank's previous snapshot is still in the background (collective: all take one branch)."""
+        return all_done(self._group, self._pending is None or self._pending.done())
 
     def wait(self) -> None:
         """Until the snapshot in flight is committed here and at its replicas (failures are logged, not raised)."""

@@ -392,3 +392,42 @@ def test_a_truncated_slot_file_falls_back_instead_of_crashing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ckpt_core"), _manager(tmp_path) as m2:
         assert m2.resume(_run(seed=5).state).step == 5
     assert "holds 100 bytes; its record says" in caplog.text
+
+
+def test_on_in_flight_skip_skips_a_snapshot_while_the_previous_is_in_the_background(tmp_path, caplog, monkeypatch):
+    """With ``on_in_flight="skip"`` the training thread never waits for the previous snapshot's seal and
+    replication: the due step is skipped (and said), the next due step after it finished is taken."""
+    import threading
+
+    release = threading.Event()
+    real_seal = snap.seal
+
+    def slow_seal(*args, **kwargs):
+        assert release.wait(30)
+        return real_seal(*args, **kwargs)
+
+    monkeypatch.setattr(snap, "seal", slow_seal)
+    run = _run()
+    with caplog.at_level(logging.INFO, logger="ckpt_core"), _manager(tmp_path, on_in_flight="skip") as m:
+        m.resume(run.state)
+        _train(run, m, 0, 4)  # step 2's seal is held: step 4 is skipped
+        release.set()
+        m._local.wait()
+        _train(run, m, 4, 6)
+        assert (m._local.steps, m._local.skipped) == ([2, 6], [4])
+    assert "local snapshot of step 4 skipped: the snapshot of step 2 is still being sealed" in caplog.text
+
+
+def test_on_in_flight_wait_waits_for_the_previous_snapshot(tmp_path, monkeypatch):
+    import threading
+
+    calls = []
+    real_seal = snap.seal
+    monkeypatch.setattr(snap, "seal", lambda *a, **k: (calls.append(threading.current_thread().name),
+                                                         real_seal(*a, **k))[1])
+    run = _run()
+    with _manager(tmp_path) as m:
+        m.resume(run.state)
+        _train(run, m, 0, 6)
+        assert (m._local.steps, m._local.skipped) == ([2, 4, 6], [])
+    assert len(calls) == 3 and all(name.startswith("ckpt-local") for name in calls)

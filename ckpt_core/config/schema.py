@@ -98,7 +98,8 @@ class CheckpointSettings:
                                        lambda v: v is None or _keep_best(v),
                                        "(metric, 'min'|'max', n) with n a positive integer")
     async_mode: str = _choice("process", "process (default: DCP's background process), thread or off.", ASYNC_MODES)
-    on_in_flight: str = _choice("wait", "when a save is due while the previous is still writing: wait or skip.",
+    on_in_flight: str = _choice("wait", "when a save is due while the previous is still writing: wait or skip "
+                                        "(a local snapshot too, while the previous one is sealed or replicated).",
                                 IN_FLIGHT_POLICIES)
     on_save_error: str = _choice("raise", "a failed background write raises on the training side or warns.",
                                  ERROR_POLICIES)
