@@ -96,7 +96,6 @@ class LocalTier:
         self.steps: list[int] = []  # the steps snapshotted by this run
         self._last_time = time.monotonic()
         self._written_s: Optional[float] = None  # the last snapshot's seal + replication time, not yet recorded
-        self.replicated_step: Optional[int] = None
         self.last_stall_s = 0.0
         self.last_error: Optional[BaseException] = None
 
@@ -235,7 +234,6 @@ class LocalTier:
                 self._failed(step, e)
         if self.factor > 1 and self.process_group is not None:
             self._replicate(step, sent)
-            self.replicated_step = step if sent is not None else self.replicated_step
         self._written_s = time.monotonic() - t0
 
     def _replicate(self, step: int, sent: Optional[Outgoing]) -> None:
