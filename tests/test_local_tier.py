@@ -431,3 +431,49 @@ def test_on_in_flight_wait_waits_for_the_previous_snapshot(tmp_path, monkeypatch
         _train(run, m, 0, 6)
         assert (m._local.steps, m._local.skipped) == ([2, 4, 6], [])
     assert len(calls) == 3 and all(name.startswith("ckpt-local") for name in calls)
+
+
+def _skip_worker(rank: int, world: int, port: int, base: str) -> None:
+    """One of 4 ranks (2 nodes of 2): rank 3's seal of step 2 is held until its step 5, so at step 4 only rank 3
+    is still busy; every rank must skip step 4 alike (a rank that went on would wait in a lone replication
+    round), then all snapshot step 6."""
+    import threading
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    release = threading.Event()
+    if rank == 3:
+        real_seal = snap.seal
+        snap.seal = lambda *a, **k: (release.wait(20), real_seal(*a, **k))[1]
+    run = _run()
+    m = CheckpointManager(os.path.join(base, "root"), every_n_steps=1000, local_every_n_steps=2,
+                          local_dir=os.path.join(base, f"node{rank // 2}"), local_node_size=2, run_id="skip-4",
+                          on_in_flight="skip", async_mode="off", env={}, argv=[], lease=False)
+    m.resume(run.state)
+    for step in range(1, 7):
+        if step == 5:
+            release.set()
+            m._local.wait()  # every rank's step-2 round is over before step 6 is due
+        _train_step(run.model, run.opt, run.sched)
+        m.maybe_save(step, run.state)
+    m._local.wait()
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": m._local.steps, "skipped": m._local.skipped}, f)
+    m.close()
+    dist.destroy_process_group()
+
+
+def test_on_in_flight_skip_is_agreed_by_every_rank_at_4_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_skip_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert got == [{"steps": [2, 6], "skipped": [4]}] * 4
+    for node in (0, 1):  # step 6 committed on both nodes for every rank (own + replica), step 4 nowhere
+        held = sorted(p.parent.name for p in (tmp_path / f"node{node}").glob("job-*/rank_*/step_6.json"))
+        assert held == ["rank_0", "rank_1", "rank_2", "rank_3"]
+        assert not list((tmp_path / f"node{node}").glob("job-*/rank_*/step_4.json"))
