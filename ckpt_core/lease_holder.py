@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,8 @@ log = logging.getLogger("ckpt_core")
 
 _LOCK = threading.Lock()
 _HELD: dict[str, "RootLease"] = {}
+_PENDING: "deque[RootLease]" = deque()
+"""Leases whose release a finalizer asked for while ``_LOCK`` was taken (``release_later``)."""
 _ATTEMPTS = 3
 
 
@@ -106,6 +109,7 @@ class RootLease:
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
+            _drain()
             try:
                 self.refresh()
             except Exception as e:  # noqa: BLE001 - storage hiccup: try again next period
@@ -115,14 +119,37 @@ class RootLease:
 def hold(fs: Any, root_path: str, root: str, run_id: str, source: str, ttl_s: float) -> RootLease:
     """This process's lease on ``root``, taken if no manager of the process holds it yet; ``release`` it once."""
     key = f"{fs.protocol}://{root_path.rstrip('/')}"
-    with _LOCK:
-        held = _HELD.get(key)
-        if held is None or held.lost is not None or held.users == 0:
-            held = RootLease(L.LeaseFiles(fs, root_path), root, run_id, source, ttl_s)
-            held.acquire()
-            _HELD[key] = held
-        held.users += 1
-        return held
+    _drain()
+    try:
+        with _LOCK:
+            held = _HELD.get(key)
+            if held is None or held.lost is not None or held.users == 0:
+                held = RootLease(L.LeaseFiles(fs, root_path), root, run_id, source, ttl_s)
+                held.acquire()
+                _HELD[key] = held
+            held.users += 1
+            return held
+    finally:
+        _drain()  # what a garbage collection inside asked to release
+
+
+def release_later(held: RootLease) -> None:
+    """``release``, as the finalizer of a dropped manager runs it: the garbage collector may run it on a
+    thread that holds ``_LOCK`` (inside ``hold``), where ``release`` would wait for itself forever. Queued,
+    and released now when the lock is free, else by the next ``hold``, ``release`` or refresh."""
+    _PENDING.append(held)
+    if _LOCK.acquire(blocking=False):
+        _LOCK.release()
+        _drain()
+
+
+def _drain() -> None:
+    while True:
+        try:
+            held = _PENDING.popleft()
+        except IndexError:
+            return
+        release(held)
 
 
 def release(held: RootLease) -> None:
@@ -139,6 +166,7 @@ def release(held: RootLease) -> None:
 
 def release_all() -> None:
     """Release every lease this process holds (interpreter exit, after the last saves were flushed)."""
+    _drain()
     with _LOCK:
         held = list(_HELD.values())
         _HELD.clear()

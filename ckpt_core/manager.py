@@ -432,7 +432,7 @@ class CheckpointManager:
                     partial(lease_holder.hold, *get_fs(self.root, **s.storage_options), self.root, run_id, source,
                             s.lease_ttl_s),  # a file system opened now (as each save's writer's is), for every try
                     f"taking the lease on {self.root}", s.write_retries, s.retry_backoff_s)
-                self._lease_finalizer = weakref.finalize(self, lease_holder.release, self._lease)
+                self._lease_finalizer = weakref.finalize(self, lease_holder.release_later, self._lease)
                 self._lease_finalizer.atexit = False  # at exit, released after the last saves (_flush_at_exit)
             self._lease.check()
         except LeaseHeldError as e:

@@ -251,3 +251,34 @@ def test_a_second_job_is_refused_then_takes_over_after_a_kill_and_a_restart_is_n
     assert restart.returncode == 0 and int(out.split()[1]) >= saved - 1 and "saved" in out, err[-2000:]
     assert "taking over" not in err  # a restart of the same job: no warning either
     assert _lease_files(root) == []  # it ended cleanly
+
+
+def test_a_dropped_managers_lease_released_by_a_garbage_collection_inside_hold_never_deadlocks(tmp_path,
+                                                                                              monkeypatch):
+    """A manager dropped without ``close()`` inside a reference cycle is finalized by whichever allocation
+    triggers the garbage collector next; inside ``lease_holder.hold`` (which holds its lock) that finalizer
+    used to wait for the lock forever. Its lease is released once the lock is free instead."""
+    import gc
+
+    from ckpt_core import lease_holder
+
+    dropped = _manager(tmp_path / "a")
+    dropped.cycle = dropped  # only the garbage collector frees it
+    assert _lease_files(tmp_path / "a") == [".ckpt-lease.000000000001.json"]
+    del dropped
+    real_init = lease_holder.RootLease.__init__
+
+    def collecting_init(self, *args, **kwargs):  # the collection runs while hold() holds the lock
+        gc.collect()
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(lease_holder.RootLease, "__init__", collecting_init)
+    made = []
+    worker = threading.Thread(target=lambda: made.append(_manager(tmp_path / "b")), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "deadlock: the finalizer waited for the lock its own thread held"
+    assert _lease_files(tmp_path / "a") == []  # released as soon as hold() let go of the lock
+    assert _lease_files(tmp_path / "b") == [".ckpt-lease.000000000001.json"]
+    made[0].close()
+    assert _lease_files(tmp_path / "b") == []
