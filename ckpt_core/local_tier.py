@@ -41,7 +41,7 @@ DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --
                "medium: Memory); give it more room, lower local_keep, or set local_dir to another directory")
 
 
-_HOST = socket.gethostname() if HOST_RE.match(socket.gethostname()) else ""
+_HOST = (lambda name: name if HOST_RE.match(name) else "")(socket.gethostname())
 
 LOCAL_MIN_INTERVAL_S = 0.01
 """Lower clamp of ``local_interval="auto"``: the measured checksum+replication time is the real floor."""
@@ -67,10 +67,10 @@ class LocalTier:
             n_devices=settings.n_devices or world_size, min_interval_s=LOCAL_MIN_INTERVAL_S,
             max_interval_s=settings.max_interval_s)
         self.rank, self.world_size = rank, world_size
-        env_size = os.environ.get("LOCAL_WORLD_SIZE")
-        self.node_size = settings.local_node_size or (int(env_size) if env_size and env_size.isdigit() else
-                                                      world_size)
-        self._node_from_env = settings.local_node_size is None and bool(env_size and env_size.isdigit())
+        env_size = os.environ.get("LOCAL_WORLD_SIZE", "")
+        from_env = int(env_size) if env_size.isdigit() else None
+        self.node_size = settings.local_node_size or from_env or world_size
+        self._node_from_env = settings.local_node_size is None and from_env is not None
         self.factor = settings.replication_factor or layout.default_factor(world_size, self.node_size)
         problem = layout.layout_problem(world_size, self.node_size, self.factor)
         if problem is not None:
@@ -88,8 +88,7 @@ class LocalTier:
         self._slots: dict[int, dict[int, Optional[int]]] = {}  # owner -> slot -> committed step
         self._maps: dict[str, torch.Tensor] = {}  # slot path -> its mapping (reused while the size stays)
         self._lock = threading.Lock()
-        self._space_checked = False
-        self._own_bytes = 0  # this rank's snapshot size, measured at the space check
+        self._own_bytes: Optional[int] = None  # this rank's snapshot size, measured at the space check
         self._started = False
         self.last_step: Optional[int] = None
         self.timings: dict[str, float] = {}  # of the last recovery (``local_recovery.Recovery.timings``)
@@ -176,7 +175,7 @@ class LocalTier:
         cap = snap.capture(state)
         if not self._started:  # no restore ran: snapshots left by an earlier incarnation of the job do not count
             self.after_restore(None)
-        if not self._space_checked:
+        if self._own_bytes is None:
             self.check_space(cap.data_bytes + len(cap.small) + len(cap.others))
         self.last_step = step
         self.steps.append(step)
@@ -280,7 +279,6 @@ class LocalTier:
 
     def check_space(self, own_bytes: int) -> None:
         """Collective: ``LocalTierError`` on every rank when some node's ``local_dir`` lacks the room it needs."""
-        self._space_checked = True
         self._own_bytes = own_bytes
         need = layout.space_needed(own_bytes, self.keep, self.factor, self.node_size)
         problem = None
@@ -318,7 +316,8 @@ class LocalTier:
     def host_bytes(self, state_nbytes: int) -> int:
         """The host memory this rank's slots take (counted in ``max_host_memory_bytes`` next to the durable
         tier's staging copy): from the snapshot size measured at the space check, else ``state_nbytes``."""
-        return layout.host_bytes_per_rank(self._own_bytes or state_nbytes, self.keep, self.factor)
+        own = self._own_bytes if self._own_bytes is not None else state_nbytes
+        return layout.host_bytes_per_rank(own, self.keep, self.factor)
 
     # ------------------------------------------------------------ recover
     def recover(self, state: TrainState, durable_step: Optional[int]) -> Optional[snap.SnapshotRecord]:
