@@ -477,3 +477,108 @@ def test_on_in_flight_skip_is_agreed_by_every_rank_at_4_ranks(tmp_path):
         held = sorted(p.parent.name for p in (tmp_path / f"node{node}").glob("job-*/rank_*/step_6.json"))
         assert held == ["rank_0", "rank_1", "rank_2", "rank_3"]
         assert not list((tmp_path / f"node{node}").glob("job-*/rank_*/step_4.json"))
+
+
+def _sharded_run(seed: int = 0) -> Run:
+    """An FSDP2 model whose layers (7 and 3 output rows) shard unevenly along dim 0: torch.chunk gives the last
+    rank fewer rows than the others (2, 2, 2, 1 and 1, 1, 1, 0 at 4 ranks; 4, 3 and 2, 1 at 2 ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    return Run(model, opt, sched, TrainState(model, opt, sched))
+
+
+def _local_shards(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
+
+
+def _uneven_budget_worker(rank: int, world: int, port: int, base: str, budget: str, local: bool) -> None:
+    """One rank of ``world`` (nodes of 2) saving step 3 with ``async_mode="thread"``. ``budget="over"``: a
+    max_host_memory_bytes that the largest shards' staging copy exceeds and the last rank's does not (nor any
+    rank's slots alone); ``"fits"``: twice the largest need. Records how the save went, then resumes step 3."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ckpt_core.saver import state_bytes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("ckpt_core").addHandler(handler)
+    run = _sharded_run()
+    _train_step(run.model, run.opt, run.sched)  # step 1, before measuring: AdamW's state exists
+    slots = layout.host_bytes_per_rank(_snapshot_nbytes(run), 1, layout.default_factor(world, 2)) if local else 0
+    sizes: list = [None] * world
+    dist.all_gather_object(sizes, (state_bytes(run.state) + slots, slots))
+    needs, top = [need for need, _ in sizes], max(need for need, _ in sizes)
+    lower = max([s for _, s in sizes] + [need for need in needs if need < top])
+    limit = (lower + top) // 2 if budget == "over" else 2 * top
+    tier = dict(local_every_n_steps=2, local_dir=os.path.join(base, f"node{rank // 2}"), local_node_size=2) \
+        if local else {}
+    opts = dict(every_n_steps=3, run_id="uneven", async_mode="thread", max_host_memory_bytes=limit,
+                env={}, argv=[], lease=False, **tier)
+    m = CheckpointManager(os.path.join(base, "root"), **opts)
+    m.resume(run.state)
+    m.maybe_save(1, run.state)
+    for step in (2, 3):
+        _train_step(run.model, run.opt, run.sched)
+        assert m.maybe_save(step, run.state) == (step == 3)
+    got = {"limit": limit, "synchronous": m._saver.inflight is None,  # step 3 durable when maybe_save returned
+           "staged": len(m._saver.stager._state_dict_stager._cached_storage_mapping),
+           "nbytes": state_bytes(run.state), "reserved": m._saver.reserved_host_bytes(state_bytes(run.state)),
+           "warnings": [msg for msg in logged if "max_host_memory_bytes" in msg]}
+    m.close()
+    saved = _local_shards(run.model)
+    again = _sharded_run(seed=1)
+    with CheckpointManager(os.path.join(base, "root"), **opts) as m2:
+        got["resumed"] = m2.resume(again.state).step
+    assert_same_tree(saved, _local_shards(again.model))
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+    dist.destroy_process_group()
+
+
+def _spawn_uneven(tmp_path, world: int, budget: str, local: bool) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_uneven_budget_worker, args=(world, free_port(), str(tmp_path), budget, local), nprocs=world,
+             join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world,local", [(2, False), (4, True)], ids=["2-ranks", "4-ranks-local-tier"])
+def test_a_staging_copy_over_the_budget_on_some_ranks_makes_every_rank_save_synchronously(tmp_path, world, local):
+    """FSDP2's uneven shards: the larger ranks' staging copy exceeds max_host_memory_bytes, the last rank's does
+    not. Every rank saves synchronously and says why; a rank left asynchronous would run the save's collectives
+    in the background while the others run theirs on the training thread."""
+    got = _spawn_uneven(tmp_path, world, "over", local)
+    limit = got[0]["limit"]
+    assert [g["nbytes"] + g["reserved"] > limit for g in got] == [True] * (world - 1) + [False]  # the premise
+    assert all(g["reserved"] > 0 for g in got) if local else all(g["reserved"] == 0 for g in got)
+    assert [(g["synchronous"], g["staged"]) for g in got] == [(True, 0)] * world
+    for g in got:
+        assert len(g["warnings"]) == 1 and g["warnings"][0].startswith("ckpt_core: a staging copy of")
+        assert ("with the local tier's" in g["warnings"][0]) == local
+        assert f"exceeds max_host_memory_bytes={limit}" in g["warnings"][0]
+    assert [g["resumed"] for g in got] == [3] * world
+
+
+def test_a_budget_every_rank_fits_in_keeps_uneven_shards_asynchronous(tmp_path):
+    got = _spawn_uneven(tmp_path, 2, "fits", False)
+    assert [(g["synchronous"], g["warnings"]) for g in got] == [(False, [])] * 2
+    assert all(g["staged"] > 0 for g in got)
+    assert [g["resumed"] for g in got] == [3] * 2
