@@ -12,7 +12,9 @@ parameters of a plain ``nn.Module``):
   0), stock ``dcp.save`` (FileSystemWriter), stock ``dcp.async_save`` (thread and
   process), and this project's ``CheckpointManager`` in ``process``, ``thread``
   and ``off`` (synchronous) mode, plus ``process`` with a host-memory budget
-  below the state size (it then saves synchronously);
+  below the state size (it then saves synchronously) and ``process`` with
+  ``direct_io=False`` (``ckpt[process,buffered]``: data files through the page
+  cache);
 * the CPU time of each save, from ``/proc``: every process and thread of the
   rank (DCP's background writer process and its children included) from the
   save call until the checkpoint is durable, per GiB written, and the part the
@@ -69,7 +71,8 @@ CKPT_PROCESS = "ckpt[process]"
 CKPT_BUDGET = "ckpt[process,budget]"
 LOOP_PREFIX = "loop:"
 CKPT_NICE0 = "ckpt[process,nice=0]"
-LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD, CKPT_NICE0)
+CKPT_BUFFERED = "ckpt[process,buffered]"
+LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD, CKPT_NICE0, CKPT_BUFFERED)
 DEFAULT_LOOP_KINDS = (TORCH_SAVE, CKPT_PROCESS)
 COMPONENTS = ("copy", "crc32c", "fingerprint", "pagecache", "fsync")
 """The pieces of a write whose CPU is measured on their own, as ``<name>_cpu_s`` in ``measure_refs``."""
@@ -86,19 +89,22 @@ DESCRIPTIONS = {
     CKPT_PROCESS: "CheckpointManager(async_mode='process'), the default",
     CKPT_BUDGET: "CheckpointManager(async_mode='process', max_host_memory_bytes=state/2): saves synchronously",
     CKPT_NICE0: "CheckpointManager(async_mode='process', writer_nice=0): the writer at the trainer's priority",
+    CKPT_BUFFERED: "CheckpointManager(async_mode='process', direct_io=False): data files through the page cache",
 }
 
 
 def ckpt_spec(name: str, default_wt: int) -> Optional[dict]:
-    """``ckpt[process,wt=4,nice=0]`` -> {'mode': 'process', 'wt': 4, 'budget': False, 'nice': 0}; None for other
-    variants (``nice`` None: the setting's default)."""
+    """``ckpt[process,wt=4,nice=0]`` -> {'mode': 'process', 'wt': 4, 'budget': False, 'nice': 0, 'direct': True};
+    None for other variants (``nice`` None: the setting's default; ``buffered``: ``direct_io=False``)."""
     if not name.startswith("ckpt["):
         return None
     parts = name[5:-1].split(",")
-    out = {"mode": parts[0], "wt": default_wt, "budget": False, "nice": None}
+    out = {"mode": parts[0], "wt": default_wt, "budget": False, "nice": None, "direct": True}
     for p in parts[1:]:
         if p == "budget":
             out["budget"] = True
+        elif p == "buffered":
+            out["direct"] = False
         elif p.startswith("wt="):
             out["wt"] = int(p[3:])
         elif p.startswith("nice="):
@@ -108,7 +114,7 @@ def ckpt_spec(name: str, default_wt: int) -> Optional[dict]:
 
 def save_variants(args: argparse.Namespace) -> list[str]:
     names = [LIMIT_COPY, LIMIT_WRITE, TORCH_SAVE, DCP_SAVE, DCP_ASYNC_THREAD, DCP_ASYNC_PROCESS,
-             CKPT_OFF, CKPT_THREAD, CKPT_PROCESS]
+             CKPT_OFF, CKPT_THREAD, CKPT_PROCESS, CKPT_BUFFERED]
     names += [f"ckpt[process,wt={w}]" for w in args.sweep_writer_threads if w != args.writer_threads]
     names.append(CKPT_BUDGET)
     return names
@@ -275,7 +281,7 @@ class Ops:
         nice = {} if ck["nice"] is None else {"writer_nice": ck["nice"]}
         self.mgr = CheckpointManager(self.root, async_mode=ck["mode"], writer_threads=ck["wt"],
                                      max_host_memory_bytes=budget, keep_last=1 if self.loop else None,
-                                     resume=False, **nice)
+                                     resume=False, direct_io=ck["direct"], **nice)
         state = TrainState(model=ctx.model)
         self._start = lambda i: self.mgr.save(i + 1, state)
         self._wait = lambda h: self.mgr.wait()

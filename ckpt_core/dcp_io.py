@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import fingerprint as fp
 from .crc_combine import crc32c_combine
+from .direct_io import open_direct
 from .inplace_read import read_in_place
 from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
@@ -54,6 +55,8 @@ from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, r
 
 log = logging.getLogger("ckpt_core")
 
+DATA_SUFFIX = ".distcp"
+"""DCP's data files: the only files written with ``O_DIRECT`` (the others are small)."""
 
 _WATCHING = False
 
@@ -176,7 +179,11 @@ class _HashingStream(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             super().close()
-            self._raw.close()
+            try:
+                self._raw.close()  # a direct file writes its last block here
+            except Exception as e:
+                self._owner.last_error = e
+                raise
 
 
 def _without_zip_crc32() -> Any:
@@ -224,6 +231,10 @@ class _HashingFileSystem:
         """Whether streams also keep a SHA-256 per segment (a signed save: DCP items get one each)."""
         self.segment_sha256: dict[str, dict[int, str]] = {}
         self.last_error: Optional[BaseException] = None
+        self.direct = False
+        """Whether data files (``*.distcp``) are written with ``O_DIRECT`` (``direct_io``; local files only)."""
+        self.sync = True
+        """Whether a direct file is fsynced when closed (the writer's ``sync_files``)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "inner" not in self.__dict__:
@@ -232,14 +243,26 @@ class _HashingFileSystem:
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self.inner.create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            name = os.path.basename(os.fspath(path))
-            hashing = _HashingStream(stream, self, sha256=name.startswith(DCP_METADATA_NAME))
-            with _without_zip_crc32():
-                yield hashing
+        name = os.path.basename(os.fspath(path))
+        direct = open_direct(os.fspath(path), self.sync) if self.direct and "w" in mode and \
+            name.endswith(DATA_SUFFIX) else None
+        if direct is not None:
+            hashing = _HashingStream(direct, self)
+            try:
+                with _without_zip_crc32():
+                    yield hashing
+                hashing.close()
+            except BaseException:
+                direct.discard()
+                raise
+        else:
+            with self.inner.create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashing = _HashingStream(stream, self, sha256=name.startswith(DCP_METADATA_NAME))
+                with _without_zip_crc32():
+                    yield hashing
         self.records[name] = (hashing.size, hashing.crc)
         self.segments[name] = hashing.segments
         self.segment_sha256[name] = hashing.segment_sha256
@@ -331,7 +354,11 @@ class _CommitMixin:
                     raise cause from e
                 raise
             if len(fut.value()) != len(plan.items):
-                raise OSError(errno.EIO, f"only {len(fut.value())} of {len(plan.items)} items were written")
+                short = OSError(errno.EIO, f"only {len(fut.value())} of {len(plan.items)} items were written")
+                cause, self.fs.last_error = self.fs.last_error, None
+                if cause is not None:  # a writer thread of DCP's died of it: the storage's own error
+                    raise cause
+                raise short
             return fut
 
         try:
@@ -443,15 +470,17 @@ class FsspecCommitWriter(_CommitMixin, FsspecWriter):
 
 
 def make_writer(path: str, manifest_fields: Mapping[str, Any], storage_options: Optional[Mapping[str, Any]] = None,
-                signing_key: Optional[bytes] = None, nice: int = 0, **kwargs: Any) -> Any:
+                signing_key: Optional[bytes] = None, nice: int = 0, direct_io: bool = True, **kwargs: Any) -> Any:
     """The right commit writer for ``path``: plain files locally, fsspec otherwise; with ``signing_key``, signing.
 
     ``nice``: run at least at this nice value when writing in another process
     than the one that made the writer (DCP's background process).
+    ``direct_io``: local data files bypass the page cache (``direct_io.py``).
     """
     fs, _ = get_fs(path, **dict(storage_options or {}))
     if is_local(fs):
         writer = LocalCommitWriter(_local_path(path), manifest_fields, **kwargs)
+        writer.fs.direct, writer.fs.sync = direct_io, writer.sync_files
     else:
         kwargs.setdefault("sync_files", False)
         writer = FsspecCommitWriter(path, manifest_fields, storage_options, **kwargs)

@@ -128,7 +128,7 @@ class Saver:
         try:
             writer = make_writer(path, fields, storage_options=s.storage_options, thread_count=s.writer_threads,
                                  retries=s.write_retries, backoff_s=s.retry_backoff_s,
-                                 signing_key=self._signing_key, nice=s.writer_nice)
+                                 signing_key=self._signing_key, nice=s.writer_nice, direct_io=s.direct_io)
             mode = self._mode_for(state)
             fut = self._dispatch(mode, state, writer, self._planner())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
