@@ -244,8 +244,9 @@ class _HashingFileSystem:
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         name = os.path.basename(os.fspath(path))
-        direct = open_direct(os.fspath(path), self.sync) if self.direct and "w" in mode and \
-            name.endswith(DATA_SUFFIX) else None
+        direct = None
+        if self.direct and "w" in mode and name.endswith(DATA_SUFFIX):
+            direct = open_direct(os.fspath(path), self.sync)  # None where the file system refuses O_DIRECT
         if direct is not None:
             hashing = _HashingStream(direct, self)
             try:

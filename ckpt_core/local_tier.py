@@ -41,7 +41,8 @@ DOCKER_HINT = ("containers often get a 64 MiB /dev/shm by default (docker run --
                "medium: Memory); give it more room, lower local_keep, or set local_dir to another directory")
 
 
-_HOST = (lambda name: name if HOST_RE.match(name) else "")(socket.gethostname())
+_HOSTNAME = socket.gethostname()
+_HOST = _HOSTNAME if HOST_RE.match(_HOSTNAME) else ""
 
 LOCAL_MIN_INTERVAL_S = 0.01
 """Lower clamp of ``local_interval="auto"``: the measured checksum+replication time is the real floor."""
