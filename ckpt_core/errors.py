@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 
 def is_fatal(exc: BaseException) -> bool:
     """Exceptions that stop the program rather than one operation: never caught as a failed save or load.
@@ -22,6 +24,30 @@ def describe(exc: BaseException) -> str:
             parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
         return one_line("; ".join(parts))
     return one_line(f"{type(exc).__name__}: {exc}")
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames ``exc`` holds, through its causes and DCP's per-rank failures.
+
+    For a failure that is handled and not raised (a fallback, a save with ``on_save_error="warn"``).
+    A failed DCP call leaves reference cycles between its frames and the exceptions they
+    caught; through those frames the state dict being read or written and the manager's
+    process groups stay alive until the garbage collector runs. A gloo group still alive at
+    interpreter exit can abort the process ("terminate called without an active
+    exception"). The traceback's file and line information is kept.
+    """
+    todo: list = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
 
 
 def one_line(text: str) -> str:

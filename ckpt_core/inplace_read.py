@@ -211,9 +211,14 @@ def _run_all(fn: Callable[[Any], Any], jobs: list, stop: threading.Event) -> lis
         futures = [pool.submit(guarded, job) for job in jobs]
         concurrent.futures.wait(futures)
     errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
-    return [f.result() for f in futures]
+    if not errors:
+        return [f.result() for f in futures]
+    err = next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+    futures = errors = []  # the raised error's traceback holds this frame: no cycle through its locals
+    try:
+        raise err
+    finally:
+        err = None
 
 
 class _Stopped(Exception):

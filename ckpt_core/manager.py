@@ -16,6 +16,7 @@ Every decision ranks take together goes through a ``RankGroup``
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
 from . import lease_holder
-from .errors import RestoreError, SaveError, StaleCheckpointError, describe
+from .errors import RestoreError, SaveError, StaleCheckpointError, describe, release_frames
 from .lease import LeaseError, LeaseHeldError, LeaseLostError, job_run_id
 from .manifest import ManifestError, new_checkpoint_id
 from .preemption import Preempted, PreemptionWatcher
@@ -359,6 +360,7 @@ class CheckpointManager:
                                failed_saves=self._failed_saves, fallbacks=self._restorer.fallbacks))
         if self.settings.on_save_error == "raise":
             raise err
+        release_frames(err)  # kept as _last_error: its frames must not keep the failed write's buffers and groups
         log.warning("ckpt_core: %s; training continues (on_save_error='warn', %d failed in a row, the newest "
                     "committed checkpoint is %.0fs old)", err, self._failed_saves, self.checkpoint_age_s)
 
@@ -532,14 +534,20 @@ class CheckpointManager:
         Destroyed, a gloo group's worker threads are joined now, while the interpreter is alive: a
         worker that frees the tensors of the last collective needs the GIL, and one doing so during
         interpreter finalization aborts the process ("terminate called without an active exception").
+        A handled failure (a failed save under ``on_save_error="warn"``, a fallback) leaves reference cycles
+        through DCP's frames that hold the groups: a garbage collection first frees them, so that destroying
+        a group drops its last reference (one collection, at close only, and only for a distributed run).
         After a failure a collective may still wait for a lost rank; the groups are only dropped then.
         """
+        if destroy and self._pg is not None:
+            gc.collect()
         if destroy:
             release_groups(self._pg, getattr(self._ctl, "group", None),
                            self._local.process_group if self._local is not None else None)
         self._pg = None
         self._exchanges = False
         self._group = self._ctl = TorchRankGroup(None, enabled=False)
+        self._flags = StepFlags(self._ctl)
         self._saver = Saver(self.settings.replace(async_mode="off"), None, self._ctl)
         self._restorer = Restorer(self.root, self.settings, self._group, None)
 

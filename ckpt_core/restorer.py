@@ -24,7 +24,7 @@ from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .dcp_io import SafeLoadPlanner, make_reader
 from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
-from .errors import RestoreError, describe, is_fatal
+from .errors import RestoreError, describe, is_fatal, release_frames
 from .manifest import Manifest, ManifestError
 from .rank_loss import is_collective_failure
 from .records import CheckpointInfo
@@ -195,6 +195,7 @@ class Restorer:
         except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
             if is_fatal(e) or is_collective_failure(e):
                 raise
+            release_frames(e)  # the fallback must not keep this attempt's buffers and groups alive
             raise Unloadable(f"loading failed: {describe(e)}") from e
         t1 = time.monotonic()
         self.timings["load"] = t1 - t0

@@ -23,6 +23,7 @@ from ckpt_core.decisions import checkpoint_too_old, on_stale
 from ckpt_core.config import SettingError
 from ckpt_core.errors import SaveError, StaleCheckpointError
 from ckpt_core.saver import SaveStats
+from conftest import WORKERS, run_script
 from helpers_ckpt import flip_byte, make_checkpoints, step_path, tiny_model
 
 # ------------------------------------------------------------------ decisions
@@ -106,6 +107,20 @@ def test_age_escalation_with_a_storage_that_always_fails(tmp_path, caplog):
     ages = [s.as_metrics()["ckpt/age_s"] for s in metrics]
     assert ages == sorted(ages) and ages[0] < ages[-1]
     assert m.failed_saves == 4
+
+
+def test_close_after_failed_saves_ends_the_process_groups_threads(tmp_path):
+    """2 ranks, a save that fails on a full storage under ``on_save_error="warn"``, then ``close()`` with the
+    garbage collector off: the failed write's reference cycles no longer hold the manager's gloo groups, whose
+    threads end in ``close()`` (a group freed during interpreter exit can abort the process)."""
+    control = tmp_path / "faults.json"
+    control.write_text("{}")
+    proc = run_script(WORKERS / "failed_save_worker.py", [str(tmp_path / "run"), str(control), str(tmp_path / "facts")],
+                      nproc=2, timeout=120)
+    assert proc.stderr.count("training continues (on_save_error='warn'") == 2, proc.stderr[-3000:]
+    for rank in range(2):
+        facts = json.loads((tmp_path / f"facts.rank{rank}.json").read_text())
+        assert facts["failed_saves"] == 1 and facts["after_close"] == facts["before"], facts
 
 
 def test_stale_warn_policy_goes_on_and_commits_reset_the_count(tmp_path, caplog):

@@ -190,3 +190,38 @@ def test_an_items_pickle_is_read_only_once_the_item_matched_its_checksum(tmp_pat
     for per_thread in events.values():
         for i, event in enumerate(per_thread):
             assert event != "parse" or (i > 0 and per_thread[i - 1] == "ok"), per_thread
+
+
+def test_a_failed_attempt_keeps_none_of_its_buffers_once_the_restore_fell_back(tmp_path, small_reads,
+                                                                                monkeypatch):
+    """The failed load's buffers (a whole copy of the state) are freed by reference counting when the restore
+    falls back: no reference cycle through the failed read's frames keeps them until a garbage collection."""
+    import gc
+    import weakref
+
+    root = tmp_path / "run"
+    model = _model()
+    weights = save_distinct(root, TrainState(model=model), model, (10, 20))
+    ckpt = step_path(root, 20)
+    name, offset, length = hostile.item_of(ckpt, "model.5.weight")
+    _flip(ckpt, name, offset + length // 2)
+    buffers: list[list] = []
+    real = TrainState.load_template
+
+    def recording(self, *args, **kwargs):
+        template, wanted = real(self, *args, **kwargs)
+        buffers.append([weakref.ref(t) for t in template["model"].values() if isinstance(t, torch.Tensor)])
+        return template, wanted
+
+    monkeypatch.setattr(TrainState, "load_template", recording)
+    fresh = _model(seed=99)
+    gc.disable()
+    try:
+        info, said = restore_warned(root, TrainState(model=fresh))
+        assert info.step == 10 and "fail their checksum" in said
+        assert len(buffers) == 2 and len(buffers[0]) == 16
+        assert [r for r in buffers[0] if r() is not None] == []
+    finally:
+        gc.enable()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, weights[10][k]), k

@@ -90,6 +90,10 @@ def test_damaged_item_read_by_some_ranks_only_makes_every_rank_fall_back(saved, 
     assert f"{saved / 'ckpt' / 'step_000000005'} (step 5) is not usable" not in proc.stderr
     assert "step_000000005 (step 5) is not usable" in proc.stderr and "fail their checksum" in proc.stderr
     assert f"{d / 'damaged' / 'step_000000005'} (step 5) is not usable" in proc.stderr
+    # the failed load leaves nothing that holds the manager's process groups: close() joined their threads
+    for out in (saved / "resume4", d / "damaged_out"):
+        threads = json.load(open(f"{out}.json"))["threads"]
+        assert len(threads) == 4 and all(after == before for before, after in threads), (out, threads)
     restored = torch.load(f"{d / 'damaged_out'}.pt")
     before = torch.load(saved / "save.pt")
     for k, v in _flat(before["model"]).items():

@@ -10,6 +10,7 @@ optimizer, loader and manager (one launch for several resumes).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -41,6 +42,11 @@ def full_copy(model: nn.Module, opt: torch.optim.Optimizer):
     }
 
 
+def threads() -> int:
+    """This process's threads, Python's and C++'s (a live gloo process group holds a few)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def run(root: str, phase: str, save_step: int, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -50,6 +56,7 @@ def run(root: str, phase: str, save_step: int, out: str) -> None:
     data = Indexed()
     loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=ResumableDistributedSampler(data, seed=3)))
     state = TrainState(model=model, optimizers=opt, dataloader=loader)
+    threads_before = threads()
     manager = CheckpointManager(root, async_mode="off")
     seen: list[int] = []
     if phase == "resume":
@@ -70,16 +77,17 @@ def run(root: str, phase: str, save_step: int, out: str) -> None:
             manager.save(step, state)
             manager.wait()
             break
+    manager.close()
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, seen)
+    dist.all_gather_object(gathered, (seen, threads_before, threads()))
     if rank == 0:
         if phase == "save":
             torch.save({"model": full[0], "optim": full[1]}, out + ".pt")
         else:
             torch.save({"model": full_at_restore[0], "optim": full_at_restore[1]}, out + ".pt")
         with open(out + ".json", "w") as f:
-            json.dump({"seen": sorted(i for r in gathered for i in r), "world": world, "step": step}, f)
-    manager.close()
+            json.dump({"seen": sorted(i for r, _, _ in gathered for i in r), "world": world, "step": step,
+                       "threads": [[b, a] for _, b, a in gathered]}, f)
 
 
 def main() -> None:
@@ -92,9 +100,13 @@ def main() -> None:
                    help="phase=resume: then resume again from ROOT, writing OUT")
     args = p.parse_args()
     dist.init_process_group("gloo")
+    gc.disable()  # what the manager leaves behind must be freed by reference counting and close() alone
     run(args.root, args.phase, args.save_step, args.out)
     for root, out in args.also:
         run(root, "resume", args.save_step, out)
+    # fully_shard's modules hold the default group in reference cycles: free them while the interpreter is
+    # alive, so that destroying the group joins its gloo threads now rather than during interpreter exit
+    gc.collect()
     dist.destroy_process_group()
 
 
