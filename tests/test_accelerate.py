@@ -299,9 +299,10 @@ def test_save_state_load_state_go_through_the_core_and_always_load_the_newest(tm
     acc.load_state()
     assert plugin.resumed_from == 2 and reg2.n == 6 and acc.save_iteration == 3
     assert all(torch.equal(v, newest[k]) for k, v in weights(model).items())
-    # stock's names; the plugins of the first runs, never closed, still hold the root's lease
-    assert sorted(os.listdir(tmp_path / "p" / "checkpoints")) == [".ckpt-lease.000000000001.json", "checkpoint_1",
-                                                                 "checkpoint_2"]
+    # stock's names (the plugins of the first runs were never closed: whether their lease file is still there
+    # depends on when the garbage collector frees them, e.g. in a distributed manager's close())
+    names = sorted(os.listdir(tmp_path / "p" / "checkpoints"))
+    assert [n for n in names if not n.startswith(".ckpt-lease.")] == ["checkpoint_1", "checkpoint_2"], names
     # load_state of one checkpoint directory loads exactly that checkpoint
     acc.load_state(str(tmp_path / "p" / "checkpoints" / "checkpoint_1"))
     assert plugin.resumed_from == 1 and reg2.n == 4
