@@ -1,4 +1,4 @@
-"""DCP's save planner with a global step that stays linear in the rank count.
+"""DCP's save planner with a global step that stays linear in the rank count and a cheap local step.
 
 ``DefaultSavePlanner._create_global_plan`` merges the ranks' ``planner_data``
 with ``dict(ChainMap(*mappings))``: each key is looked up through the mappings
@@ -6,14 +6,32 @@ in order, and ``TrainState`` gives every rank a key of its own (``ranks.<r>``),
 so rank r's key passes r mappings: quadratic in the rank count (0.82 s at
 2,048 ranks, 2 to 3 s at 4,096; ``benchmarks/scale.py``). The same merge with
 ``dict.update`` (first mapping wins, as in the ``ChainMap``) is linear.
+
+The local plan of every save places each DTensor's shard with torch's
+``compute_local_shape_and_global_offset``, which builds an int64 index of the
+shard's length along each sharded dimension (``torch.arange``): for a 1-D
+parameter sharded on dim 0, twice the shard's bytes, allocated and written at
+every save (0.4 s of CPU per GiB of such shards in the writer, most of it page
+faults). The shard's place only depends on the tensor's layout, so it is
+computed once per layout and process (``shard_chunk``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import threading
+from typing import Any, Optional
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+_CHUNKS: dict[tuple, tuple[torch.Size, torch.Size]] = {}
+_CHUNKS_LOCK = threading.Lock()
+_CHUNKS_MAX = 1 << 16
 
 
 def merge_planner_data(mappings: list[dict]) -> dict:
@@ -24,8 +42,71 @@ def merge_planner_data(mappings: list[dict]) -> dict:
     return merged
 
 
+def shard_chunk(tensor: DTensor) -> tuple[torch.Size, torch.Size]:
+    """(sizes, offsets) of this rank's shard of ``tensor``, as DCP's ``compute_local_shape_and_global_offset``
+    gives them; computed once per (global shape, mesh, placements, this rank's coordinate) in a process."""
+    mesh = tensor.device_mesh
+    key = (tuple(tensor.shape), mesh, tuple(tensor.placements), tuple(mesh.get_coordinate() or ()))
+    with _CHUNKS_LOCK:
+        hit = _CHUNKS.get(key)
+    if hit is not None:
+        return hit
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+    hit = (torch.Size(sizes), torch.Size(offsets))
+    with _CHUNKS_LOCK:
+        if len(_CHUNKS) >= _CHUNKS_MAX:
+            _CHUNKS.clear()
+        _CHUNKS[key] = hit
+    return hit
+
+
+def dtensor_write_item(fqn: str, tensor: DTensor) -> Optional[WriteItem]:
+    """The write item DCP plans for a DTensor over a plain local tensor, its place from ``shard_chunk``;
+    None for what DCP plans another way (partial placements, a local tensor of another subclass)."""
+    local = tensor.to_local()
+    if type(local) is not torch.Tensor or any(p.is_partial() for p in tensor.placements):
+        return None
+    sizes, offsets = shard_chunk(tensor)
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                    properties=TensorProperties.create_from_tensor(local), size=tensor.size()),
+    )
+
+
+class _Planned:
+    """Stands in for a DTensor while DCP builds the local plan: its write items, already made (DCP's
+    ``__create_write_items__`` protocol); none where this rank is not in the DTensor's mesh."""
+
+    def __init__(self, items: list) -> None:
+        self._items = items
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        return self._items
+
+
 class LinearMergePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` whose global plan merges the planner data linearly (``merge_planner_data``)."""
+    """``DefaultSavePlanner`` whose global plan merges the planner data linearly (``merge_planner_data``) and
+    whose local plan places DTensor shards once per layout (``shard_chunk``)."""
+
+    def create_local_plan(self) -> Any:
+        state_dict = self.state_dict
+        planned = {}
+        for fqn, obj in state_dict.items():
+            if type(obj) is not DTensor:
+                continue
+            if obj.device_mesh.get_coordinate() is None:
+                planned[fqn] = _Planned([])
+            elif (item := dtensor_write_item(fqn, obj)) is not None:
+                planned[fqn] = _Planned([item])
+        if not planned:
+            return super().create_local_plan()
+        self.state_dict = {**state_dict, **planned}  # DCP's own loop and plan caching, over the items made here
+        try:
+            return super().create_local_plan()
+        finally:
+            self.state_dict = state_dict
 
     def _create_global_plan(self, all_plans: list) -> tuple[list, Any]:
         flatten = self.flatten_state_dict

@@ -1,0 +1,122 @@
+"""The save planner's local step: DTensor shards placed once per layout, the plan identical to DCP's.
+
+DCP places each DTensor shard with ``compute_local_shape_and_global_offset``
+at every save (an int64 index as long as the shard along each sharded
+dimension); ``LinearMergePlanner`` computes it once per layout and process and
+must plan exactly what DCP plans, at 4 ranks on 1-D and 2-D meshes, uneven and
+empty shards, two placements on one dimension, a mesh this rank is not in,
+a ``Parameter``, and plain tensors beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+def _layouts():
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh1 = init_device_mesh("cpu", (4,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    half = DeviceMesh("cpu", torch.tensor([0, 1]))  # ranks 2 and 3 are not in it
+    g = torch.Generator().manual_seed(0)
+
+    def full(*shape):
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "flat": distribute_tensor(full(10), mesh1, [Shard(0)]),  # 3, 3, 3, 1
+        "cols": distribute_tensor(full(6, 5), mesh1, [Shard(1)]),  # 2, 2, 1, 0 columns: rank 3's shard is empty
+        "grid": distribute_tensor(full(8, 6), mesh2, [Shard(0), Shard(1)]),
+        "nested": distribute_tensor(full(8, 6), mesh2, [Shard(0), Shard(0)]),
+        "mixed": distribute_tensor(full(7, 3), mesh2, [Replicate(), Shard(0)]),
+        "param": torch.nn.Parameter(distribute_tensor(full(12), mesh1, [Shard(0)])),
+        "subset": distribute_tensor(full(4, 4), half, [Shard(0)]),
+        "plain": full(3),
+        "step": 7,
+    }
+
+
+def _plan(planner_cls, state_dict, rank):
+    planner = planner_cls()
+    planner.set_up_planner(state_dict, None, rank == 0)
+    return planner.create_local_plan()
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from torch.distributed.checkpoint import planner_helpers as dcp_helpers
+
+    from ckpt_core import planner as ours
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls: list = []
+    dcp_calls: list = []
+    real = ours.compute_local_shape_and_global_offset
+    ours.compute_local_shape_and_global_offset = lambda *a: (calls.append(a), real(*a))[1]
+    dcp_real = dcp_helpers.compute_local_shape_and_global_offset
+    try:
+        facts = {}
+        expected = _plan(DefaultSavePlanner, _layouts(), rank)
+        dcp_helpers.compute_local_shape_and_global_offset = lambda *a: (dcp_calls.append(a), dcp_real(*a))[1]
+        got = _plan(ours.LinearMergePlanner, _layouts(), rank)
+        facts["same_items"] = got.items == expected.items and len(got.items) > 0
+        facts["same_planner_data"] = got.planner_data == expected.planner_data
+        facts["items"] = len(got.items)
+        facts["computed_first"] = len(calls)
+        again = _plan(ours.LinearMergePlanner, _layouts(), rank)  # new objects of the same layouts: a new save
+        facts["same_again"] = again.items == expected.items
+        facts["computed_again"] = len(calls) - facts["computed_first"]
+        facts["dcp_computed"] = len(dcp_calls)  # DCP's own placement, at every save, is not used
+    finally:
+        ours.compute_local_shape_and_global_offset = real
+        dcp_helpers.compute_local_shape_and_global_offset = dcp_real
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(facts, f)
+    dist.destroy_process_group()
+
+
+def test_local_plan_is_dcps_with_each_layout_placed_once_at_4_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):
+        facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert facts["same_items"] and facts["same_planner_data"] and facts["same_again"], (rank, facts)
+        in_half = rank < 2  # "subset" has a shard on ranks 0 and 1 only
+        assert facts["computed_first"] == 6 + in_half, (rank, facts)  # one per DTensor this rank holds a shard of
+        assert facts["computed_again"] == 0 and facts["dcp_computed"] == 0, (rank, facts)
+        assert facts["items"] == 6 + in_half + 2, (rank, facts)  # and the plain tensor and the int
+
+
+def test_partial_placements_are_refused_as_dcp_refuses_them():
+    """A ``Partial`` DTensor is left to DCP, whose error names the placement (one rank, gloo)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from ckpt_core.planner import LinearMergePlanner
+    from conftest import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
+        with pytest.raises(ValueError, match="partial placements"):
+            _plan(LinearMergePlanner, {"w": partial}, 0)
+    finally:
+        dist.destroy_process_group()
