@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from typing import Iterator
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -16,14 +17,20 @@ def is_fatal(exc: BaseException) -> bool:
 
 def describe(exc: BaseException) -> str:
     """One line naming the root cause, unwrapping DCP's per-rank ``CheckpointException``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, err in sorted(failures.items()):
-            inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exc", err)
-            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-        return one_line("; ".join(parts))
+    failures = rank_failures(exc)
+    if failures:
+        return one_line("; ".join(f"rank {rank}: {type(inner).__name__}: {inner}"
+                                  for rank, inner in sorted(failures.items())))
     return one_line(f"{type(exc).__name__}: {exc}")
+
+
+def rank_failures(exc: BaseException) -> dict:
+    """Rank -> the exception it raised, from DCP's ``CheckpointException``; empty for any other exception."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    return {rank: err[0] if isinstance(err, tuple) and err else getattr(err, "exc", err)
+            for rank, err in failures.items()}
 
 
 def release_frames(exc: BaseException) -> None:
@@ -36,18 +43,22 @@ def release_frames(exc: BaseException) -> None:
     interpreter exit can abort the process ("terminate called without an active
     exception"). The traceback's file and line information is kept.
     """
-    todo: list = [exc]
+    for e in causes(exc):
+        traceback.clear_frames(e.__traceback__)
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps, each once: ``cause`` of a ``SaveError``, ``__cause__``/``__context__``, DCP's
+    per-rank failures."""
     seen: set[int] = set()
+    todo: list = [exc]
     while todo:
         e = todo.pop()
         if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+        yield e
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__, *rank_failures(e).values()]
 
 
 def one_line(text: str) -> str:

@@ -214,7 +214,7 @@ def _run_all(fn: Callable[[Any], Any], jobs: list, stop: threading.Event) -> lis
     if not errors:
         return [f.result() for f in futures]
     err = next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
-    futures = errors = []  # the raised error's traceback holds this frame: no cycle through its locals
+    del futures, errors  # the raised error's traceback holds this frame: no cycle through its locals
     try:
         raise err
     finally:

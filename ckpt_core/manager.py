@@ -539,9 +539,9 @@ class CheckpointManager:
         a group drops its last reference (one collection, at close only, and only for a distributed run).
         After a failure a collective may still wait for a lost rank; the groups are only dropped then.
         """
-        if destroy and self._pg is not None:
-            gc.collect()
         if destroy:
+            if self._pg is not None:
+                gc.collect()
             release_groups(self._pg, getattr(self._ctl, "group", None),
                            self._local.process_group if self._local is not None else None)
         self._pg = None

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from .coordination import _default_store
-from .errors import describe, is_fatal
+from .errors import causes, describe, is_fatal
 
 log = logging.getLogger("ckpt_core")
 
@@ -51,26 +51,9 @@ class RankLostError(RuntimeError):
         self.stage, self.step, self.missing, self.cause = stage, step, missing, cause
 
 
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, what it wraps (``cause`` of a ``SaveError``, ``__cause__``/``__context__``, DCP's per-rank failures)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen or not isinstance(e, BaseException):
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            for f in failures.values():
-                todo.append(f[0] if isinstance(f, tuple) and f else getattr(f, "exc", f))
-
-
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is (or wraps) a failed or timed-out collective: gloo's transport errors, ``DistError``."""
-    for e in _causes(exc):
+    for e in causes(exc):
         if isinstance(e, dist.DistError):
             return True
         if type(e) is RuntimeError and "gloo" in str(e) and any(
