@@ -27,17 +27,20 @@ def is_fingerprinted(fqn: str) -> bool:
 _CHUNK = 1 << 18
 """Elements per block: 1 MiB of float32 scratch, small enough to stay in cache between the passes over it."""
 _ROW = 4096
-"""Elements summed in float32 (numpy's pairwise sum) before the row sums are added in float64."""
+"""Columns of a block: each column sum (at most ``_CHUNK / _ROW`` = 64 values) is taken in float32, the column
+sums are added in float64."""
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def tensor_entry(t: torch.Tensor) -> Entry:
     """(sum, sum of |x|, numel) of ``t``; CPU floating tensors in cache-sized blocks on one thread.
 
-    A float32 block is summed in rows of 4096 elements in float32 (pairwise:
-    relative error ~1e-10 of the sum of |x| on random data, far inside the
-    comparison's 1e-6) and the rows in float64: 0.13 s of CPU per GiB,
-    against 0.39 s for a float64 pass (2-core x86-64, one thread). A row sum
+    A float32 block of 2^18 elements is laid out as 64 rows of 4096 and
+    summed down its columns in float32 (vector adds across a row, 64 values
+    per column: relative error ~4e-11 of the sum of |x| on random data, far
+    inside the comparison's 1e-6), the 4096 column sums in float64: 0.085 s
+    of CPU per GiB, against 0.12 s for pairwise row sums and 0.39 s for a
+    float64 pass (2-core x86-64, one thread, data in memory). A column sum
     that overflows float32 is recomputed in float64, so a sum is non-finite
     only when a value is, as with a float64 pass.
     """
@@ -93,14 +96,18 @@ def _as_float32(c: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def _block_sum(x: np.ndarray) -> float:
-    """Sum of one block: float32 rows of ``_ROW`` added in float64 (float64 throughout if a row overflows)."""
+    """Sum of one block: its rows of ``_ROW`` added down the columns in float32, the column sums and the
+    tail in float64 (float64 throughout if a column sum overflows)."""
     if x.dtype == np.float64:
         return float(np.add.reduce(x))
     rows = x.size // _ROW
-    head = np.add.reduce(x[: rows * _ROW].reshape(rows, _ROW), axis=1) if rows else np.zeros(0, np.float32)
-    if not np.isfinite(head).all() and np.isfinite(x).all():
+    tail = float(np.add.reduce(x[rows * _ROW :], dtype=np.float64))
+    if not rows:
+        return tail
+    columns = np.add.reduce(x[: rows * _ROW].reshape(rows, _ROW), axis=0)
+    if not np.isfinite(columns).all() and np.isfinite(x).all():
         return float(np.add.reduce(x, dtype=np.float64))
-    return float(head.sum(dtype=np.float64)) + float(np.add.reduce(x[rows * _ROW :], dtype=np.float64))
+    return float(np.add.reduce(columns, dtype=np.float64)) + tail
 
 
 def combine(parts: Iterable[Mapping[str, Entry]]) -> dict[str, Entry]:

@@ -70,12 +70,13 @@ def test_fingerprint_of_a_split_tensor_matches_the_whole_within_compare_toleranc
     assert fp.compare({"model.w": fp.tensor_entry(t)}, parts, rtol=1e-7) == []
 
 
-def test_fingerprint_stays_finite_where_float32_row_sums_overflow():
-    """4096 values of 1e35 overflow a float32 sum; the block is summed again in float64, so the state is
-    healthy (finite) exactly when a float64 pass says so."""
-    t = torch.full((8192,), 1e35)
+@pytest.mark.parametrize("n", [8192, 1 << 18, (1 << 18) + 5])
+def test_fingerprint_stays_finite_where_float32_column_sums_overflow(n):
+    """64 values of 1e37 overflow a float32 column sum (float32 ends at 3.4e38); the block is summed again in
+    float64, so the state is healthy (finite) exactly when a float64 pass says so."""
+    t = torch.full((n,), 1e37)
     s, a, _ = fp.tensor_entry(t)
-    assert math.isfinite(s) and math.isclose(s, 8192e35, rel_tol=1e-6) and math.isclose(a, s)
+    assert math.isfinite(s) and math.isclose(s, n * 1e37, rel_tol=1e-6) and math.isclose(a, s)
     t[5] = float("inf")
     assert fp.tensor_entry(t)[0] == float("inf")
 
