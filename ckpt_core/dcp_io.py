@@ -506,6 +506,8 @@ class _SafeReaderMixin:
     checksum (as it is read into its target, or before DCP's own path reads it)."""
 
     verifier: Optional[CheckpointVerifier] = None
+    direct_io = False
+    """Whether large regions are read with ``O_DIRECT`` (local files; ``make_reader``)."""
     _buffer_items = False
     _metadata: Optional[Metadata] = None
     load_metadata: Optional[Metadata] = None
@@ -563,11 +565,18 @@ class SafeFsspecReader(_SafeReaderMixin, FsspecReader):
 
 
 def make_reader(path: str, storage_options: Optional[Mapping[str, Any]] = None,
-                manifest: Optional[Manifest] = None) -> Any:
-    """A safe DCP reader for checkpoint ``path``; with its ``manifest``, one that verifies what it reads."""
+                manifest: Optional[Manifest] = None, direct_io: bool = True) -> Any:
+    """A safe DCP reader for checkpoint ``path``; with its ``manifest``, one that verifies what it reads.
+
+    ``direct_io``: on a local file system, large regions are read with ``O_DIRECT`` (``inplace_read``).
+    """
     opts = dict(storage_options or {})
     fs, dir_path = get_fs(path, **opts)
-    reader = SafeLocalReader(_local_path(path)) if is_local(fs) else SafeFsspecReader(path, **opts)
+    if is_local(fs):
+        reader: Any = SafeLocalReader(_local_path(path))
+        reader.direct_io = direct_io
+    else:
+        reader = SafeFsspecReader(path, **opts)
     if manifest is not None:
         reader.verifier = verifier_for(path, manifest, opts)
     return reader

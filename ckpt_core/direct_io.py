@@ -36,24 +36,34 @@ BLOCK = 4096
 CHUNK = 8 << 20
 """Bytes per direct write (one buffer per open file)."""
 
+READ_CHUNK = 4 << 20
+"""Bytes per direct read (``inplace_read``: one buffer per reading thread)."""
+
 _POOL_MAX = 8
-_pool: list[mmap.mmap] = []
+"""Buffers kept per size (one per writing or reading thread)."""
+_POOL_SIZES = (CHUNK, READ_CHUNK)
+"""The sizes kept: a direct write's and a direct read's buffers."""
+_pool: dict[int, list[mmap.mmap]] = {}
 _pool_lock = threading.Lock()
 
 
-def _take_buffer(size: int) -> mmap.mmap:
-    """A page-aligned buffer of ``size`` bytes; those of ``CHUNK`` bytes are reused across saves (memory freed
-    and taken again costs a first touch on machines that return free memory to a hypervisor)."""
+def take_buffer(size: int) -> mmap.mmap:
+    """A page-aligned buffer of ``size`` bytes; those of the ``_POOL_SIZES`` are reused across saves and
+    restores (memory freed and taken again costs a first touch on machines that return free memory to a
+    hypervisor)."""
     with _pool_lock:
-        if _pool and size == CHUNK:
-            return _pool.pop()
+        kept = _pool.get(size)
+        if kept:
+            return kept.pop()
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: a fork copies on write
 
 
-def _give_buffer(buf: mmap.mmap) -> None:
+def give_buffer(buf: mmap.mmap) -> None:
+    """Return a buffer of ``take_buffer``: kept for reuse if of a pooled size, else unmapped."""
     with _pool_lock:
-        if len(buf) == CHUNK and len(_pool) < _POOL_MAX:
-            _pool.append(buf)
+        kept = _pool.setdefault(len(buf), []) if len(buf) in _POOL_SIZES else None
+        if kept is not None and len(kept) < _POOL_MAX:
+            kept.append(buf)
             return
     buf.close()
 
@@ -92,7 +102,7 @@ class DirectFile(io.RawIOBase):
         self._fd = fd
         self._sync = sync
         self._chunk = chunk
-        self._buf: Any = _take_buffer(chunk)
+        self._buf: Any = take_buffer(chunk)
         self._view = np.frombuffer(self._buf, dtype=np.uint8)
         self._fill = 0
         self.size = 0
@@ -167,6 +177,6 @@ class DirectFile(io.RawIOBase):
         if self._buf is not None:
             self._view = None
             if isinstance(self._buf, mmap.mmap):
-                _give_buffer(self._buf)
+                give_buffer(self._buf)
             self._buf = None
         os.close(self._fd)

@@ -168,7 +168,7 @@ class Restorer:
         try:
             manifest = self._read_manifest(rec)
             reader = make_reader(rec.path, self.settings.storage_options,
-                                 manifest if self.settings.verify != "none" else None)
+                                 manifest if self.settings.verify != "none" else None, self.settings.direct_io)
             metadata = reader.read_metadata()
             check_world_size(manifest, metadata)
             template, wanted = state.load_template(metadata, manifest.world_size)

@@ -162,9 +162,11 @@ class CheckpointSettings:
                                  "never below the trainer's). 0 measured best with every core training "
                                  "(benchmarks/save.py: +4.7 % against +10.6 % at nice 10). Thread mode is never "
                                  "reniced: a thread holding the GIL at low priority would stall training.", high=19)
-    direct_io: bool = _flag(True, "write a checkpoint's data files on a local file system with O_DIRECT: no "
-                                  "copy into the page cache (0.85 s of CPU per GiB saved against 1.43 buffered, "
-                                  "benchmarks/save.py); buffered where the file system refuses O_DIRECT.")
+    direct_io: bool = _flag(True, "write and read a checkpoint's data files on a local file system with O_DIRECT: "
+                                  "no copy into the page cache (a save: 0.85 s of CPU per GiB against 1.43 "
+                                  "buffered, benchmarks/save.py; a restore reads regions of 1 MiB and more "
+                                  "through a 4 MiB aligned buffer per thread, benchmarks/recovery.py); buffered "
+                                  "where the file system refuses O_DIRECT.")
     write_retries: int = _count(3, "retries of a write that failed with a transient storage error (backoff doubles).")
     retry_backoff_s: float = _spec(0.5, "the first retry's delay in seconds.", lambda v: _num(v) and v >= 0,
                                    "a number of seconds >= 0")
