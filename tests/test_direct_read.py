@@ -160,32 +160,32 @@ def test_a_restore_reads_large_tensors_without_filling_the_page_cache(tmp_path):
             assert cached >= 0.9 * size, (cached, size)
 
 
-def test_a_damaged_byte_inside_a_directly_read_region_falls_back_naming_the_file(tmp_path, small_direct):
+@pytest.fixture
+def two_saves(tmp_path, small_direct):
+    """Checkpoints at steps 10 and 20 of an ``Odd(4)`` under ``tmp_path / "run"``: (root, weights by step,
+    (file, offset, length) of step 20's item of ``model.c``)."""
     if not direct_io_works(tmp_path):
         pytest.skip("the file system of the test directory refuses O_DIRECT")
     root = tmp_path / "run"
     model = Odd(scale=4)
     weights = save_distinct(root, TrainState(model=model), model, (10, 20))
-    ckpt = step_path(root, 20)
-    name, offset, length = hostile.item_of(Path(ckpt), "model.c")
-    flip_byte(ckpt, name, offset + length // 2)  # far from both 4 KiB ends: only a direct read takes it
+    return root, weights, hostile.item_of(Path(step_path(root, 20)), "model.c")
+
+
+def test_a_damaged_byte_inside_a_directly_read_region_falls_back_naming_the_file(two_saves):
+    root, weights, (name, offset, length) = two_saves
+    flip_byte(step_path(root, 20), name, offset + length // 2)  # far from both ends: read directly
     restored, step, said = _restore(root, direct=True, scale=4)
     assert step == 10 and "step 20" in said and name in said
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[10].items())
 
 
 @pytest.mark.parametrize("cut", [0, 1, 4096, 5000])
-def test_a_data_file_ending_inside_a_directly_read_region_falls_back(tmp_path, small_direct, cut):
+def test_a_data_file_ending_inside_a_directly_read_region_falls_back(two_saves, cut):
     """A data file cut inside an item's storage (at a block boundary or not, ``cut`` bytes past its middle):
     the direct read meets the end of the file, the restore falls back to the older checkpoint."""
-    if not direct_io_works(tmp_path):
-        pytest.skip("the file system of the test directory refuses O_DIRECT")
-    root = tmp_path / "run"
-    model = Odd(scale=4)
-    weights = save_distinct(root, TrainState(model=model), model, (10, 20))
-    ckpt = step_path(root, 20)
-    name, offset, length = hostile.item_of(Path(ckpt), "model.c")
-    os.truncate(os.path.join(ckpt, name), (offset + length // 2) // 4096 * 4096 + cut)
+    root, weights, (name, offset, length) = two_saves
+    os.truncate(os.path.join(step_path(root, 20), name), (offset + length // 2) // 4096 * 4096 + cut)
     restored, step, said = _restore(root, direct=True, scale=4)
     assert step == 10 and "step 20" in said
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[10].items())
