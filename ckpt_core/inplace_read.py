@@ -265,6 +265,9 @@ class _Source:
     def readinto(self, buf: memoryview) -> int:
         return self.stream.readinto(buf)
 
+    def read(self, n: int = -1) -> bytes:
+        return self.stream.read(n)
+
     def fileno(self) -> int:
         return self.stream.fileno()
 
