@@ -85,6 +85,18 @@ def open_direct(path: str, sync: bool = True, chunk: int = CHUNK) -> Optional["D
     return DirectFile(fd, sync, chunk)
 
 
+def open_direct_read(path: str) -> Optional[int]:
+    """``path`` opened read-only with ``O_DIRECT`` (``inplace_read``); None where that is not available (the
+    caller's buffered stream then reads, and reports any other problem with the file)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+    except OSError:
+        return None
+
+
 class DirectFile(io.RawIOBase):
     """A write-only file on an ``O_DIRECT`` descriptor, fed through an aligned buffer (see the module doc).
 

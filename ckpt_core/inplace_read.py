@@ -60,7 +60,7 @@ import os
 import struct
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import crc32c
 import numpy as np
@@ -68,7 +68,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from .direct_io import BLOCK, give_buffer, take_buffer
+from .direct_io import BLOCK, give_buffer, open_direct_read, take_buffer
 from .direct_io import READ_CHUNK as DIRECT_CHUNK
 
 READ_CHUNK = 16 << 20
@@ -287,29 +287,17 @@ class _Source:
 
 
 @contextlib.contextmanager
-def _open_source(stream_cm: Any, direct_path: Optional[str]) -> Any:
+def _open_source(stream_cm: Any, direct_path: Optional[str]) -> Iterator[_Source]:
     """A ``_Source`` over the stream ``stream_cm`` opens, with an ``O_DIRECT`` descriptor of ``direct_path``
     (None: buffered reads only; also where the file system refuses ``O_DIRECT``)."""
     with stream_cm as stream:
-        source = _Source(stream, None if direct_path is None else _open_direct_read(direct_path))
+        source = _Source(stream, None if direct_path is None else open_direct_read(direct_path))
         try:
             if source.fd is None:  # with direct reads, a larger read-ahead would read their bytes twice
                 _advise_sequential(stream)
             yield source
         finally:
             source.close()
-
-
-def _open_direct_read(path: str) -> Optional[int]:
-    """``path`` opened read-only with ``O_DIRECT``; None where that is not available (the buffered stream
-    then reads, and reports any other problem with the file)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
-    except OSError:
-        return None
 
 
 def _read_file(source: _Source, items: list[_Item], verifier: Any, whole: int,
