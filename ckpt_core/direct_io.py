@@ -15,7 +15,9 @@ aligned. So bytes go through a page-aligned buffer (a copy between two warm
 buffers in user space: about 0.1 s per GiB), written out in full aligned
 chunks; at close the last partial block is written padded and the file
 truncated to its real size. Where the file system refuses ``O_DIRECT`` the
-file is written the buffered way.
+file is written the buffered way. A restore opens the same files with
+``open_direct_read`` and takes its read buffers from the same pool
+(``inplace_read``).
 """
 
 from __future__ import annotations
