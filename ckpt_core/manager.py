@@ -35,7 +35,7 @@ from .config import CheckpointSettings, resolve_entry_point
 from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
-from . import lease_holder
+from . import gloo_workers, lease_holder
 from .errors import RestoreError, SaveError, StaleCheckpointError, describe, release_frames
 from .lease import LeaseError, LeaseHeldError, LeaseLostError, job_run_id
 from .manifest import ManifestError, new_checkpoint_id
@@ -67,7 +67,9 @@ def _flush_at_exit() -> None:
 
     One deadline for all: open managers are closed (commit bookkeeping, retention),
     then saves of managers dropped without ``close()`` get the time left. Ctrl-C ends
-    the wait (a second SIGTERM kills the process: ``preemption``).
+    the wait (a second SIGTERM kills the process: ``preemption``). Last, gloo's worker
+    threads get up to ``gloo_workers.EXIT_IDLE_TIMEOUT_S`` to release their last
+    collective, which aborts the process if it happens during finalization.
     """
     deadline = time.monotonic() + EXIT_FLUSH_TIMEOUT_S
     try:
@@ -83,6 +85,7 @@ def _flush_at_exit() -> None:
         log.warning("ckpt_core: interrupted at exit; saves still writing stay uncommitted")
     finally:
         lease_holder.release_all()
+        gloo_workers.wait_until_idle()
 
 
 class CheckpointManager:
