@@ -115,6 +115,7 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(self, raw: Any, owner: "_HashingFileSystem", sha256: bool = False) -> None:
         self._raw = raw
+        self._write_crc = getattr(raw, "write_crc", None)  # a direct file takes the CRC on its own copy
         self._owner = owner
         self.sha256 = hashlib.sha256() if sha256 else None
         """SHA-256 of the whole file (small files: ``.metadata``), for the digests of a signed manifest."""
@@ -150,13 +151,18 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        self._seg_crc = crc32c.crc32c(mv, self._seg_crc)
+        fused = self._write_crc
+        if fused is None:
+            self._seg_crc = crc32c.crc32c(mv, self._seg_crc)
         if self.sha256 is not None:
             self.sha256.update(mv)
         if self._seg_sha is not None:
             self._seg_sha.update(mv)
         try:
-            n = self._raw.write(mv)
+            if fused is None:
+                n = self._raw.write(mv)
+            else:
+                n, self._seg_crc = fused(mv, self._seg_crc)
         except Exception as e:
             # torch.save's zip writer replaces I/O errors by its own; keep the real cause
             self._owner.last_error = e

@@ -61,6 +61,28 @@ def test_a_direct_file_holds_exactly_the_bytes_written_whatever_their_sizes(tmp_
     assert path.read_bytes() == b"".join(parts)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 3 * 2 * dio.BLOCK + 17), max_size=12), seed=st.integers(0, 2**16),
+       start=st.integers(0, 2**32 - 1))
+def test_the_crc_taken_on_the_buffer_is_the_crc_of_the_bytes_written(tmp_path, monkeypatch, sizes, seed, start):
+    """``write_crc`` extends a running CRC32C from its aligned copy, slice by slice (a slice here does not divide
+    the block or the chunk): the result is the CRC of the bytes, and the file holds exactly them."""
+    import crc32c
+
+    monkeypatch.setattr(dio, "CRC_SLICE", 3001)
+    gen = torch.Generator().manual_seed(seed)
+    parts = [bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).tolist()) for n in sizes]
+    path = tmp_path / "f.distcp"
+    f = _direct(path)
+    crc = start
+    for p in parts:
+        n, crc = f.write_crc(memoryview(p), crc)
+        assert n == len(p)
+    f.close()
+    assert crc == crc32c.crc32c(b"".join(parts), start)
+    assert path.read_bytes() == b"".join(parts)
+
+
 def test_the_descriptor_is_opened_with_o_direct_and_reuses_its_buffers(tmp_path):
     import fcntl
 
