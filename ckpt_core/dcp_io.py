@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from typing import Any, Iterator, Mapping, Optional
 
 import crc32c
@@ -105,6 +106,11 @@ def renice_threads(nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
+def _write_then_crc(raw: Any, mv: memoryview, crc: int) -> tuple[Any, int]:
+    """``raw.write(mv)`` and the CRC32C ``crc`` extended over ``mv`` (a stream without ``write_crc``)."""
+    return raw.write(mv), crc32c.crc32c(mv, crc)
+
+
 class _HashingStream(io.RawIOBase):
     """Forwards writes to ``raw`` while keeping a CRC32C per segment.
 
@@ -115,7 +121,7 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(self, raw: Any, owner: "_HashingFileSystem", sha256: bool = False) -> None:
         self._raw = raw
-        self._write_crc = getattr(raw, "write_crc", None)  # a direct file takes the CRC on its own copy
+        self._write = getattr(raw, "write_crc", None) or partial(_write_then_crc, raw)  # direct: on its copy
         self._owner = owner
         self.sha256 = hashlib.sha256() if sha256 else None
         """SHA-256 of the whole file (small files: ``.metadata``), for the digests of a signed manifest."""
@@ -151,18 +157,12 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        fused = self._write_crc
-        if fused is None:
-            self._seg_crc = crc32c.crc32c(mv, self._seg_crc)
         if self.sha256 is not None:
             self.sha256.update(mv)
         if self._seg_sha is not None:
             self._seg_sha.update(mv)
         try:
-            if fused is None:
-                n = self._raw.write(mv)
-            else:
-                n, self._seg_crc = fused(mv, self._seg_crc)
+            n, self._seg_crc = self._write(mv, self._seg_crc)
         except Exception as e:
             # torch.save's zip writer replaces I/O errors by its own; keep the real cause
             self._owner.last_error = e

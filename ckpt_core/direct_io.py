@@ -13,9 +13,9 @@ write aligned to the device's block size, and the stream a DCP writer gets
 (``torch.save``'s zip container: small headers, then each storage) is not
 aligned. So bytes go through a page-aligned buffer (a copy between two warm
 buffers in user space: about 0.1 s per GiB), written out in full aligned
-chunks; the writer's CRC32C is taken on the buffer right after each 256 KiB is
-copied in, from the cache (``write_crc``); at close the last partial block is written padded and the file
-truncated to its real size. Where the file system refuses ``O_DIRECT`` the
+chunks; the writer's CRC32C is taken on the buffer right after each 256 KiB
+is copied in, from the cache (``write_crc``); at close the last partial
+block is written padded and the file truncated to its real size. Where the file system refuses ``O_DIRECT`` the
 file is written the buffered way. A restore opens the same files with
 ``open_direct_read`` and takes its read buffers from the same pool
 (``inplace_read``).

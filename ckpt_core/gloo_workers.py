@@ -51,8 +51,7 @@ def workers() -> dict[str, tuple[str, int]]:
 
 def is_idle(before: dict[str, tuple[str, int]], after: dict[str, tuple[str, int]]) -> bool:
     """Every worker sleeps in both samples and none woke in between (a thread waiting for the GIL wakes)."""
-    return all(state == "S" for state, _ in after.values()) and {
-        tid: n for tid, (_, n) in after.items()} == {tid: n for tid, (_, n) in before.items() if tid in after}
+    return all(state == "S" and tid in before and before[tid][1] == n for tid, (state, n) in after.items())
 
 
 def wait_until_idle(timeout_s: float = EXIT_IDLE_TIMEOUT_S, poll_s: float = POLL_S) -> bool:
