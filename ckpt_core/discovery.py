@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import logging
 from pickle import UnpicklingError
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import crc32c
 
 from .crc_combine import crc32c_combine
 from .integrity import CheckpointVerifier, IntegrityError, crc_of_range
@@ -128,7 +130,11 @@ def _check_structure(verifier: CheckpointVerifier, unpickle_metadata: bool) -> N
 
 def _check_every_byte(fs, dir_path: str, verifier: CheckpointVerifier,
                       progress: Optional[Callable[[int], None]]) -> None:
-    """One pass over every file: each item against its own checksum, each file against the manifest's."""
+    """One pass over every file: each item against its own checksum, each file against the manifest's.
+
+    Between two items a data file may hold fewer than ``PADDING_MAX`` zero bytes (block
+    alignment, ``dcp_io._save_config``); any other byte outside the recorded items fails the check.
+    """
     manifest = verifier.manifest
     items: dict[str, list[tuple[int, int]]] = {}
     for side in verifier.sidecars():
@@ -140,7 +146,7 @@ def _check_every_byte(fs, dir_path: str, verifier: CheckpointVerifier,
             crc, end = 0, 0
             for offset, length in ranges:
                 if offset != end:
-                    raise IntegrityError(f"{name} bytes {end}..{offset} belong to no item its writer recorded")
+                    crc, end = _padding(f, name, crc, end, offset)
                 sha = hashlib.sha256() if manifest.authenticated and name in items else None
                 part = crc_of_range(f, offset, length, progress, sha=sha)
                 if name in items and part != verifier.expected_item_crc(name, offset, length):
@@ -153,6 +159,23 @@ def _check_every_byte(fs, dir_path: str, verifier: CheckpointVerifier,
         if entry.crc32c is not None and crc != entry.crc32c:
             raise IntegrityError(f"{name} fails its checksum (crc32c {crc:#010x}, the manifest says "
                                  f"{entry.crc32c:#010x})")
+
+
+PADDING_MAX = 4096
+"""Zero bytes a writer may leave between items of a data file: less than one block (``direct_io.BLOCK``)."""
+
+
+def _padding(f: Any, name: str, crc: int, end: int, offset: int) -> tuple[int, int]:
+    """Check bytes ``end..offset`` of file ``f`` as padding between items: the file's CRC32C so far with them
+    appended, and ``offset``; ``IntegrityError`` if they are not fewer than ``PADDING_MAX`` zeros."""
+    if not 0 < offset - end < PADDING_MAX:
+        raise IntegrityError(f"{name} bytes {end}..{offset} belong to no item its writer recorded")
+    f.seek(end)
+    gap = f.read(offset - end)
+    if len(gap) != offset - end or gap.count(0) != len(gap):
+        raise IntegrityError(f"{name} bytes {end}..{offset} belong to no item its writer recorded and are not "
+                             "the zeros that align the items")
+    return crc32c_combine(crc, crc32c.crc32c(gap), len(gap)), offset
 
 
 def choose_for_restore(

@@ -27,14 +27,17 @@ in reads of up to ``READ_CHUNK`` bytes:
   were put, the item goes to DCP's path, which reads it again.
 
 On a local file system (``direct_io``, the default) the large reads bypass
-the page cache: each part's thread reads with ``O_DIRECT`` into a
-page-aligned buffer of its own (4 MiB, reused), computes the
-CRC32C there while the bytes are in cache and copies them into the target.
-A buffered read of a cold file costs a page-cache page per 4 KiB and a
-kernel copy into the target; on the 2-core development VM reading 1 GiB
-into fresh buffers on 8 threads took 0.67 to 1.16 s this way against 0.86
-to 3.4 s buffered, and a restore's load 1.54 s against 2.61 s (medians;
-docs/benchmarks.md, "The read path against the disk").
+the page cache with ``O_DIRECT``. A save written with ``O_DIRECT`` starts
+each large tensor's bytes at a block boundary of its file
+(``dcp_io._save_config``) and a restore loads into block-aligned buffers
+(``aligned_empty_like``), so the whole blocks of a region are read straight
+into the target in 16 MiB reads, their CRC32C taken on the target right
+after each read; only a region's first and last partial blocks pass through
+the thread's page-aligned 4 MiB buffer. Regions of files written packed (an
+older version, buffered writes) or targets not aligned like their file go
+through that buffer, checked there and copied into the target. A buffered
+read of a cold file costs a page-cache page per 4 KiB and a kernel copy
+into the target (docs/benchmarks.md, "The read path against the disk").
 Where the file system refuses ``O_DIRECT`` the reads stay buffered.
 
 A failed check fails the load, naming the file. The bytes of a corrupt item
@@ -73,6 +76,9 @@ from .direct_io import READ_CHUNK as DIRECT_CHUNK
 
 READ_CHUNK = 16 << 20
 """Bytes per read: large for the storage, small enough that its CRC32C runs on bytes still in cache."""
+STRAIGHT_CHUNK = 64 << 20
+"""Bytes per direct read straight into a target (``_read_straight``): the device writes them to memory, not
+to the cache, so only the size of the read matters."""
 ENVELOPE = 64 << 10
 """Bytes of each end of a large item kept in memory: its zip records and pickle lie there (at least 4 KiB:
 torch's zip reader reads the last 4 KiB of an archive)."""
@@ -88,6 +94,28 @@ PART_MIN = 64 << 20
 """A file is cut into parts (runs of whole items, each read by its own thread) of at least this many bytes."""
 Spans = list[tuple[int, memoryview]]
 """Bytes of an item in memory: (offset in the item, bytes)."""
+
+
+def aligned_empty_like(t: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(t)`` whose bytes start at a block boundary (contiguous CPU tensors of at least
+    ``DIRECT_MIN`` bytes; others as ``empty_like`` makes them, DTensors with such a local shard included).
+
+    Direct reads fill such a buffer without a copy from an aligned save (``_read_direct``); the cost is up to
+    one block of address space per tensor, never touched.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = aligned_empty_like(t.to_local())
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < DIRECT_MIN or t.is_quantized \
+            or t.layout != torch.strided:
+        return torch.empty_like(t)
+    raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
+    skip = -raw.data_ptr() % BLOCK
+    return raw[skip : skip + nbytes].view(t.dtype).view(t.shape)
 
 
 @dataclasses.dataclass
@@ -277,13 +305,17 @@ class _Source:
             self._buf = take_buffer(DIRECT_CHUNK)
         return np.frombuffer(self._buf, dtype=np.uint8)
 
+    def drop_direct(self) -> None:
+        """Read buffered from now on (the file system refused a direct read)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def close(self) -> None:
         if self._buf is not None:
             give_buffer(self._buf)
             self._buf = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.drop_direct()
 
 
 @contextlib.contextmanager
@@ -499,9 +531,61 @@ def _read_range(stream: Any, item: _Item, start: int, dest: memoryview, digest: 
 
 def _read_direct(source: _Source, offset: int, dest: memoryview, digest: _Digest,
                  stop: Optional[threading.Event]) -> int:
-    """Read file bytes ``offset..offset+len(dest)`` into ``dest`` with ``O_DIRECT`` reads of whole blocks into
-    the source's aligned buffer, each piece into ``digest`` there, then copied; the bytes done (fewer if the
-    file system refused a direct read: the source reads buffered from then on). ``_Short`` at end of file."""
+    """Read file bytes ``offset..offset+len(dest)`` into ``dest`` with ``O_DIRECT``, each piece into ``digest``
+    in order; the bytes done (fewer if the file system refused a direct read: the source reads buffered from
+    then on). ``_Short`` at end of file.
+
+    Where ``dest`` lies at the same offset from a block boundary as the file bytes (an aligned save read into
+    aligned load buffers, ``aligned_empty_like``), the whole blocks go straight into ``dest``; the rest of it
+    through the source's buffer.
+    """
+    head = -offset % BLOCK
+    if (_address(dest) + head) % BLOCK or len(dest) < head + BLOCK:
+        return _read_bounced(source, offset, dest, digest, stop)
+    middle = head + (len(dest) - head) // BLOCK * BLOCK
+    done = 0
+    for start, end, read in ((0, head, _read_bounced), (head, middle, _read_straight),
+                             (middle, len(dest), _read_bounced)):
+        if start < end:
+            n = read(source, offset + start, dest[start:end], digest, stop)
+            done += n
+            if n < end - start:
+                break
+    return done
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def _read_straight(source: _Source, offset: int, dest: memoryview, digest: _Digest,
+                   stop: Optional[threading.Event]) -> int:
+    """``_read_direct`` of whole blocks at an aligned ``offset`` into an aligned ``dest``: no copy."""
+    done = 0
+    while done < len(dest):
+        if stop is not None and stop.is_set():
+            raise _Stopped()
+        piece = dest[done : done + STRAIGHT_CHUNK]
+        try:
+            n = os.preadv(source.fd, [piece], offset + done)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            source.drop_direct()
+            return done
+        if n <= 0:
+            raise _Short()
+        digest.update(piece[:n])
+        done += n
+        if n % BLOCK and done < len(dest):  # a partial block: the file ends here
+            raise _Short()
+    return done
+
+
+def _read_bounced(source: _Source, offset: int, dest: memoryview, digest: _Digest,
+                  stop: Optional[threading.Event]) -> int:
+    """``_read_direct`` through the source's aligned buffer: whole blocks read there, each piece into
+    ``digest`` there, then copied into ``dest``."""
     buf = source.buffer()
     out = np.frombuffer(dest, dtype=np.uint8)
     pos = offset - offset % BLOCK
@@ -515,8 +599,7 @@ def _read_direct(source: _Source, offset: int, dest: memoryview, digest: _Digest
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            os.close(source.fd)
-            source.fd = None
+            source.drop_direct()
             return done
         skip = offset + done - pos
         take = min(n - skip, len(dest) - done)

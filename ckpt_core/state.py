@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import rng as rng_mod
 from .ddp_layout import fix_bucket_layout
+from .inplace_read import aligned_empty_like
 from .data import ResumableLoader, find_resumable_sampler
 
 log = logging.getLogger("ckpt_core")
@@ -60,8 +61,9 @@ def _from_blob(t: torch.Tensor) -> Any:
 
 
 def _empty_like_tree(obj: Any) -> Any:
+    """Fresh buffers shaped like the tensors of ``obj`` (large ones block-aligned, for direct reads)."""
     if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
+        return aligned_empty_like(obj)
     if isinstance(obj, Mapping):
         return {k: _empty_like_tree(v) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -83,6 +83,45 @@ def test_the_crc_taken_on_the_buffer_is_the_crc_of_the_bytes_written(tmp_path, m
     assert path.read_bytes() == b"".join(parts)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(writes=st.lists(st.tuples(st.integers(0, 5 * dio.BLOCK + 17), st.booleans(), st.integers(0, dio.BLOCK)),
+                       max_size=10),
+       seed=st.integers(0, 2**16))
+def test_writes_from_memory_aligned_as_the_file_go_out_straight_and_exactly(tmp_path, monkeypatch, writes, seed):
+    """Each write of ``n`` bytes comes from a page-aligned buffer, either at the file position's offset from a
+    block boundary (``congruent``: its whole blocks are written from the source itself) or at ``shift``
+    (copied): the file and the CRC are exact either way, and every congruent write of a block or more past its
+    head went out straight."""
+    import crc32c
+
+    monkeypatch.setattr(dio, "STRAIGHT_MIN", dio.BLOCK)
+    straight: list[int] = []
+    real = dio.DirectFile._write_straight
+    monkeypatch.setattr(dio.DirectFile, "_write_straight",
+                        lambda self, src, crc: (straight.append(len(src)), real(self, src, crc))[1])
+    gen = torch.Generator().manual_seed(seed)
+    source = mmap.mmap(-1, 8 * dio.BLOCK)
+    source[:] = bytes(torch.randint(0, 256, (len(source),), dtype=torch.uint8, generator=gen).tolist())
+    path = tmp_path / "f.distcp"
+    f = _direct(path)
+    expected, want = [], 0
+    for n, congruent, shift in writes:
+        pos = f.tell()
+        at = pos % dio.BLOCK if congruent else shift
+        part = memoryview(source)[at : at + n]
+        n_written, crc = f.write_crc(part, crc32c.crc32c(b"".join(expected)))
+        expected.append(bytes(part))
+        assert (n_written, crc) == (len(part), crc32c.crc32c(b"".join(expected)))
+        head = -pos % dio.BLOCK
+        if (at - pos) % dio.BLOCK == 0 and len(part) >= max(dio.BLOCK, head + dio.BLOCK):
+            want += (len(part) - head) // dio.BLOCK * dio.BLOCK
+        part.release()
+    f.close()
+    source.close()
+    assert path.read_bytes() == b"".join(expected)
+    assert sum(straight) == want
+
+
 def test_the_descriptor_is_opened_with_o_direct_and_reuses_its_buffers(tmp_path):
     import fcntl
 
