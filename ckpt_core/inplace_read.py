@@ -115,7 +115,7 @@ def aligned_empty_like(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t)
     raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
     skip = -raw.data_ptr() % BLOCK
-    return raw[skip : skip + nbytes].view(t.dtype).view(t.shape)
+    return raw[skip : skip + nbytes].view(t.dtype).as_strided(t.shape, t.stride())
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from ckpt_core import TrainState, dcp_io, inplace_read
 from ckpt_core.dcp_io import DATA_SUFFIX, read_metadata
@@ -203,6 +203,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.uint
 @settings(max_examples=60, deadline=None)
 @given(shape=st.lists(st.integers(0, 70), min_size=0, max_size=3), dtype=st.sampled_from(_DTYPES),
        transpose=st.booleans())
+@example(shape=[1, 32, 32], dtype=torch.float32, transpose=True)  # a size-1 dimension keeps its stride (1024)
 def test_aligned_empty_like_keeps_shape_dtype_and_strides_and_aligns_large_tensors(shape, dtype, transpose):
     """Shape, dtype, strides and device as ``empty_like``; a block-aligned start for contiguous tensors of at
     least ``DIRECT_MIN`` bytes (here 4 KiB)."""
