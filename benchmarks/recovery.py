@@ -631,61 +631,90 @@ def run_variant(args: argparse.Namespace, base: dict, i: int, tier: str, kill_at
 
 def limits(gathered: list, tim: dict, read: tuple) -> dict:
     """The cycle's figures beside the limits: the cold read of the restored files (bytes, seconds, and on disk
-    the buffered and the direct read's seconds), the load against it, the verify against the load, and the
-    fingerprints' part of the verify (worst rank)."""
+    the buffered, the direct and the fresh-buffer direct read's seconds), the load against the cold read and
+    against the fresh-buffer read, the verify against the load, and the fingerprints' part of the verify
+    (worst rank)."""
     read_bytes, read_s, *kinds = read
     return {"fingerprint_s": max(g["timings"].get("fingerprint", 0.0) for g in gathered),
             "cold_read_bytes": read_bytes, "cold_read_s": read_s, **(kinds[0] if kinds else {}),
-            "load_vs_read": C.ratio(read_s, tim["load"]), "verify_vs_load": C.ratio(tim["verify"], tim["load"])}
+            "load_vs_read": C.ratio(read_s, tim["load"]),
+            "load_vs_fresh": C.ratio(kinds[0].get("fresh_s") if kinds else None, tim["load"]),
+            "verify_vs_load": C.ratio(tim["verify"], tim["load"])}
 
 
 def cold_read(path: str, chunk: int = 64 << 20) -> tuple[int, float, dict]:
     """Bytes and seconds of a cold sequential read of every file of checkpoint ``path``: the faster of a
-    buffered read and a direct one (``cold_reads``; both in the dict), so the limit is what the disk gives
-    at best."""
-    total, buffered, direct = cold_reads(path, chunk)
-    return total, min(t for t in (buffered, direct) if t is not None), {"buffered_s": buffered, "direct_s": direct}
+    buffered read and a direct one (``cold_reads``; both in the dict, with the direct read into fresh
+    buffers), so the limit is what the disk gives at best."""
+    total, buffered, direct, fresh = cold_reads(path, chunk)
+    best = min(t for t in (buffered, direct) if t is not None)
+    return total, best, {"buffered_s": buffered, "direct_s": direct, "fresh_s": fresh}
 
 
-def cold_reads(path: str, chunk: int = 64 << 20) -> tuple[int, float, Optional[float]]:
-    """Bytes, and seconds of two cold sequential reads of every file of checkpoint ``path``: buffered, then
-    with ``O_DIRECT`` (None where the file system refuses it).
+def cold_reads(path: str, chunk: int = 64 << 20) -> tuple[int, float, Optional[float], Optional[float]]:
+    """Bytes, and seconds of three cold sequential reads of every file of checkpoint ``path``: buffered,
+    with ``O_DIRECT``, and with ``O_DIRECT`` into freshly allocated buffers (each None where the file
+    system refuses ``O_DIRECT``).
 
     Each time the files are evicted from the page cache first, then read front
-    to back, one after the other, in ``chunk``-byte reads into one reused
-    buffer (page-aligned for the direct read). The buffered read takes a
-    page-cache page per 4 KiB: on a VM that returns free memory to its
-    hypervisor, pages that were free a while cost a first touch there, so it
-    is fast right after something else freed memory and slow otherwise; the
-    direct read does not depend on it.
+    to back, one after the other, in ``chunk``-byte reads. The first two read
+    into one reused buffer (page-aligned for the direct read), so they touch
+    no new memory. The buffered read takes a page-cache page per 4 KiB: on a
+    VM that returns free memory to its hypervisor, pages that were free a
+    while cost a first touch there, so it is fast right after something else
+    freed memory and slow otherwise; the reused direct read does not depend on
+    it. The third reads each file into a fresh page-aligned buffer of its
+    size, all held to the end, as a restore loads into fresh tensors: it pays
+    the first touch of those pages, the floor of a load on such a machine.
     """
-    names = sorted(os.listdir(path))
+    names = [os.path.join(path, name) for name in sorted(os.listdir(path))]
     C.evict_page_cache(path)
     buf = memoryview(bytearray(chunk))
     total = 0
     t0 = time.perf_counter()
     for name in names:
-        with open(os.path.join(path, name), "rb", buffering=0) as f:
+        with open(name, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 total += n
     buffered = time.perf_counter() - t0
+    reused = mmap.mmap(-1, chunk)
+    try:
+        direct = _direct_read(path, names, lambda size: reused, chunk)
+    finally:
+        reused.close()
+    held: list = []
+
+    def fresh(size: int) -> mmap.mmap:
+        held.append(mmap.mmap(-1, max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)))
+        return held[-1]
+
+    try:
+        into_fresh = None if direct is None else _direct_read(path, names, fresh, chunk)
+    finally:
+        for m in held:
+            m.close()
+    return total, buffered, direct, into_fresh
+
+
+def _direct_read(path: str, names: list[str], buffer_for: Any, chunk: int = 64 << 20) -> Optional[float]:
+    """Seconds of one cold ``O_DIRECT`` read of ``names`` (the files of ``path``, evicted first), each file
+    front to back in ``chunk``-byte reads into ``buffer_for(file size)``: a reused buffer of ``chunk``
+    bytes, or a fresh one of the file's size. None where the file system refuses ``O_DIRECT``."""
     C.evict_page_cache(path)
-    aligned = mmap.mmap(-1, chunk)
     t0 = time.perf_counter()
     try:
         for name in names:
-            fd = os.open(os.path.join(path, name), os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
             try:
-                pos = 0
-                while n := os.preadv(fd, [aligned], pos):
+                size = os.fstat(fd).st_size
+                view, pos = memoryview(buffer_for(size)), 0
+                while pos < size and (n := os.preadv(fd, [view[pos % len(view):][:chunk]], pos)):
                     pos += n
             finally:
                 os.close(fd)
     except OSError:
-        return total, buffered, None
-    finally:
-        aligned.close()
-    return total, buffered, time.perf_counter() - t0
+        return None
+    return time.perf_counter() - t0
 
 
 def calibrate(threads: int, n: int, step_s: float) -> dict:
@@ -705,7 +734,7 @@ def calibrate(threads: int, n: int, step_s: float) -> dict:
 FIGURES = ("overhead", "baseline_step_s", "train_step_s", "save_call_s", "durable_write_s", "durable_write_gbps", "copy_s", "stall_first_s", "stall_s",
            "stall_over_copy", "seal_s", "replicate_s", "replicate_gbps", "busy_overhead", "quiet_overhead",
            "restore_rss_ratio", "restore_rss_added", "fingerprint_s", "cold_read_bytes", "cold_read_s", "buffered_s",
-           "direct_s", "load_vs_read", "verify_vs_load")
+           "direct_s", "fresh_s", "load_vs_read", "load_vs_fresh", "verify_vs_load")
 
 
 def summarize(cycles: list, args: argparse.Namespace) -> dict:
@@ -815,6 +844,10 @@ def print_limits(s: dict) -> None:
           f"{C.fmt(s['load_vs_read'], '.2f')}x the read (goal >= 0.80x)")
     if s.get("buffered_s") is not None:
         print(f"  the cold reads: buffered {C.fmt(s['buffered_s'], '.3f')}s, direct {C.fmt(s.get('direct_s'), '.3f')}s")
+    if s.get("fresh_s") is not None:
+        print(f"  a second limit, the direct read into fresh buffers of the files' sizes (the first touch of the "
+              f"pages a restore loads into): {C.fmt(s['fresh_s'], '.3f')}s; the load runs at "
+              f"{C.fmt(s.get('load_vs_fresh'), '.2f')}x it")
     print(f"verify {C.fmt(verify, '.3f')}s = {C.fmt(None if s['verify_vs_load'] is None else 100 * s['verify_vs_load'], '.0f')}% "
           f"of the load (goal <= 15%); fingerprints {C.fmt(s['fingerprint_s'], '.3f')}s of it")
 
