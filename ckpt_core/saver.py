@@ -1,6 +1,6 @@
 """The saver: stage and write one checkpoint at a time, synchronously or in DCP's background process or thread.
 
-It owns DCP's stager (host buffers reused from save to save), chooses the
+It owns DCP's stager (host buffers reused from save to save, large ones page-aligned: ``staging``), chooses the
 mode of each save (``async_mode``, or synchronous when the state exceeds
 ``max_host_memory_bytes``), and tracks the save in flight. What a save
 contains and when it is due are the manager's business; commit bookkeeping
@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from .planner import LinearMergePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import background
@@ -36,6 +36,7 @@ from .config import CheckpointSettings
 from . import signing
 from .dcp_io import make_writer
 from .errors import SaveError, is_fatal
+from .staging import AlignedStager
 from .state import TrainState
 
 log = logging.getLogger("ckpt_core")
@@ -108,9 +109,9 @@ class Saver:
         self.reserved_host_bytes: Callable[[int], int] = lambda state_nbytes: 0
         """Host memory held elsewhere for a state of this size (the local tier's slots), within the budget."""
         self._plan_key = f"ckpt_core.Saver-{uuid.uuid4().hex}"
-        self.stager: Optional[DefaultStager] = None
+        self.stager: Optional[AlignedStager] = None
         if settings.async_mode != "off":
-            self.stager = DefaultStager(StagingOptions(
+            self.stager = AlignedStager(StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
                 use_shared_memory=settings.async_mode == "process",
                 use_async_staging=False,

@@ -1,0 +1,57 @@
+"""DCP's stager, with the host copies of large storages starting at a page boundary.
+
+An asynchronous save first copies the state into host buffers that are
+reused from save to save (DCP's ``DefaultStager``). A direct write
+(``direct_io``) sends the whole blocks of a large tensor straight from its
+staged copy only when that copy starts at a block boundary; otherwise every
+byte goes through the writer's aligned buffer first, a second copy of the
+whole state. Shared memory (``async_mode="process"``) is page-aligned by
+construction; the private memory of ``async_mode="thread"`` comes from the
+CPU allocator, which aligns to 64 bytes. ``AlignedStager`` gives the thread
+mode's storages of at least ``direct_io.STRAIGHT_MIN`` bytes their own
+anonymous mapping instead (page-aligned, returned to the system when the
+stager lets go of it). Pinned staging (a CUDA host) and shared memory stay
+as DCP makes them.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from .direct_io import STRAIGHT_MIN
+
+
+def aligned_storage(nbytes: int) -> torch.UntypedStorage:
+    """A CPU storage of ``nbytes`` bytes (at least 1) starting at a page boundary; it keeps its mapping
+    alive and unmaps it when freed."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
+
+
+class _AlignedStateDictStager(StateDictStager):
+    """``StateDictStager`` that allocates the first copy of a large storage page-aligned (later saves copy
+    into the cached copy, as DCP does)."""
+
+    def _stage_untyped_storage(self, storage: Any, non_blocking: bool = False) -> Any:
+        if (self.share_memory or self.pin_memory or storage.nbytes() < STRAIGHT_MIN
+                or storage in self._cached_storage_mapping):
+            return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
+        staged = aligned_storage(storage.nbytes())
+        staged.copy_(storage, non_blocking=non_blocking)
+        self._cached_storage_mapping[storage] = staged
+        return staged
+
+
+class AlignedStager(DefaultStager):
+    """``DefaultStager`` whose private (neither shared nor pinned) host copies of large storages are
+    page-aligned, so direct writes send them without a bounce copy."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        plain = getattr(self, "_state_dict_stager", None)
+        if type(plain) is StateDictStager and not (plain.share_memory or plain.pin_memory):
+            self._state_dict_stager = _AlignedStateDictStager(pin_memory=False, share_memory=False)
