@@ -11,7 +11,8 @@ CPU allocator, which aligns to 64 bytes. ``AlignedStager`` gives the thread
 mode's storages of at least ``direct_io.STRAIGHT_MIN`` bytes their own
 anonymous mapping instead (page-aligned, returned to the system when the
 stager lets go of it). Pinned staging (a CUDA host) and shared memory stay
-as DCP makes them.
+as DCP makes them, and so does everything when DCP's private stager is not
+the one this module knows.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import mmap
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+try:  # private to DCP: without it, staging stays DCP's own
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+except ImportError:  # pragma: no cover - a torch that moved it
+    StateDictStager = object  # type: ignore[assignment,misc]
 
 from .direct_io import STRAIGHT_MIN
 

@@ -51,6 +51,36 @@ def test_shared_memory_staging_stays_dcps():
     stager.close()
 
 
+def test_an_unknown_dcp_stager_is_left_as_dcp_makes_it(monkeypatch):
+    """If DCP's private stager changes shape, staging stays DCP's: exact copies, nothing replaced."""
+    from torch.distributed.checkpoint import staging as dcp_staging
+
+    real_init = dcp_staging.DefaultStager.__init__
+
+    def init_without_state_dict_stager(self, options):
+        real_init(self, options)
+        self._state_dict_stager = _Other(self._state_dict_stager)
+
+    class _Other:  # a stand-in for a renamed or reshaped private stager
+        def __init__(self, inner):
+            self.inner = inner
+
+        def stage(self, *args, **kwargs):
+            return self.inner.stage(*args, **kwargs)
+
+        def close(self):
+            self.inner.close()
+
+    monkeypatch.setattr(dcp_staging.DefaultStager, "__init__", init_without_state_dict_stager)
+    stager = AlignedStager(_options(shared=False))
+    assert type(stager._state_dict_stager) is _Other
+    state = _state(2)
+    staged = stager.stage(state)
+    for name, t in state.items():
+        assert torch.equal(staged[name], t), name
+    stager.close()
+
+
 def test_a_thread_mode_save_writes_large_tensors_straight_and_restores_exactly(tmp_path, monkeypatch):
     if not direct_io_works(tmp_path):
         pytest.skip("the file system of the temporary directory refuses O_DIRECT")
