@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.recovery import _direct_read, cold_read, cold_reads
+from benchmarks.recovery import _direct_read, _fresh_threads, _resident, cold_read, cold_reads
 from test_direct_read import direct_io_works
 
 SIZES = {"a.distcp": 3 * 4096 + 17, "b.distcp": 1, "c.distcp": 2 * 4096, ".metadata": 700}
@@ -36,7 +36,8 @@ def test_the_three_reads_cover_every_byte_and_the_limit_is_the_faster_of_buffere
     assert best == min(kinds["buffered_s"], kinds["direct_s"])
 
 
-def test_the_fresh_read_puts_each_file_in_a_page_aligned_buffer_of_its_own(checkpoint):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_fresh_read_puts_each_file_in_a_page_aligned_buffer_of_its_own(checkpoint, threads):
     if not direct_io_works(checkpoint):
         pytest.skip("the file system of the temporary directory refuses O_DIRECT")
     names = [str(checkpoint / n) for n in sorted(SIZES)]
@@ -46,12 +47,24 @@ def test_the_fresh_read_puts_each_file_in_a_page_aligned_buffer_of_its_own(check
         buffers.append(mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE))
         return buffers[-1]
 
-    assert _direct_read(str(checkpoint), names, fresh, chunk=4096) is not None
+    assert _direct_read(str(checkpoint), names, fresh, chunk=4096, threads=threads) is not None
     try:
-        assert [len(b) for b in buffers] == [-(-os.path.getsize(n) // 4096) * 4096 for n in names]
-        for name, buf in zip(names, buffers):
+        assert sorted(len(b) for b in buffers) == sorted(-(-os.path.getsize(n) // 4096) * 4096 for n in names)
+        contents = sorted(bytes(b) for b in buffers)
+        for name in names:
             data = Path(name).read_bytes()
-            assert buf[: len(data)] == data
+            padded = data + bytes(-len(data) % 4096)
+            assert padded in contents, name
     finally:
         for b in buffers:
             b.close()
+
+
+def test_the_fresh_read_runs_a_thread_per_file_beside_resident_memory_of_the_checkpoints_size():
+    assert _fresh_threads(["a"]) == 1 and _fresh_threads(["a"] * 4) == 4 and _fresh_threads(["a"] * 20) == 8
+    live = _resident(3 * mmap.PAGESIZE + 5)
+    try:
+        assert len(live) == 3 * mmap.PAGESIZE + 5
+        assert [live[i] for i in range(0, len(live), mmap.PAGESIZE)] == [1, 1, 1, 1]
+    finally:
+        live.close()
