@@ -693,9 +693,11 @@ def cold_reads(path: str, chunk: int = 64 << 20) -> tuple[int, float, Optional[f
         held.append(mmap.mmap(-1, max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)))
         return held[-1]
 
+    if direct is None:
+        return total, buffered, None, None
     live = _resident(total)
     try:
-        into_fresh = None if direct is None else _direct_read(path, names, fresh, chunk, _fresh_threads(names))
+        into_fresh = _direct_read(path, names, fresh, chunk, _fresh_threads(names))
     finally:
         live.close()
         for m in held:

@@ -57,7 +57,7 @@ def test_an_unknown_dcp_stager_is_left_as_dcp_makes_it(monkeypatch):
 
     real_init = dcp_staging.DefaultStager.__init__
 
-    def init_without_state_dict_stager(self, options):
+    def init_with_another_stager(self, options):
         real_init(self, options)
         self._state_dict_stager = _Other(self._state_dict_stager)
 
@@ -71,7 +71,7 @@ def test_an_unknown_dcp_stager_is_left_as_dcp_makes_it(monkeypatch):
         def close(self):
             self.inner.close()
 
-    monkeypatch.setattr(dcp_staging.DefaultStager, "__init__", init_without_state_dict_stager)
+    monkeypatch.setattr(dcp_staging.DefaultStager, "__init__", init_with_another_stager)
     stager = AlignedStager(_options(shared=False))
     assert type(stager._state_dict_stager) is _Other
     state = _state(2)
