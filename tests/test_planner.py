@@ -6,12 +6,18 @@ dimension); ``LinearMergePlanner`` computes it once per layout and process and
 must plan exactly what DCP plans, at 4 ranks on 1-D and 2-D meshes, uneven and
 empty shards, two placements on one dimension, a mesh this rank is not in,
 a ``Parameter``, and plain tensors beside them; a ``Partial`` DTensor is refused as DCP refuses it.
+``shard_place`` places ``Shard``/``Replicate`` layouts from integers alone, as
+torch places them (hypothesis, against torch's own function over explicit mesh
+coordinates), and leaves other placements to torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _layouts():
@@ -78,8 +84,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     calls: list = []
     dcp_calls: list = []
-    real = ours.compute_local_shape_and_global_offset
-    ours.compute_local_shape_and_global_offset = lambda *a: (calls.append(a), real(*a))[1]
+    indexed: list = []  # torch's placement, which builds an index as long as the shard
+    real, real_place = ours.compute_local_shape_and_global_offset, ours.shard_place
+    ours.compute_local_shape_and_global_offset = lambda *a: (indexed.append(a), real(*a))[1]
+    ours.shard_place = lambda *a: (calls.append(a), real_place(*a))[1]
     dcp_real = dcp_helpers.compute_local_shape_and_global_offset
     try:
         facts = {}
@@ -94,9 +102,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         facts["same_again"] = again.items == expected.items
         facts["computed_again"] = len(calls) - facts["computed_first"]
         facts["dcp_computed"] = len(dcp_calls)  # DCP's own placement, at every save, is not used
+        facts["indexed"] = len(indexed)
         facts["partial"] = _partial_refusals(rank)
     finally:
-        ours.compute_local_shape_and_global_offset = real
+        ours.compute_local_shape_and_global_offset, ours.shard_place = real, real_place
         dcp_helpers.compute_local_shape_and_global_offset = dcp_real
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(facts, f)
@@ -115,6 +124,36 @@ def test_local_plan_is_dcps_with_each_layout_placed_once_at_4_ranks(tmp_path):
         in_half = rank < 2  # "subset" has a shard on ranks 0 and 1 only
         assert facts["computed_first"] == 6 + in_half, (rank, facts)  # one per DTensor this rank holds a shard of
         assert facts["computed_again"] == 0 and facts["dcp_computed"] == 0, (rank, facts)
+        assert facts["indexed"] == 0, (rank, facts)  # every layout here is Shard/Replicate: placed from integers
         assert facts["items"] == 6 + in_half + 2, (rank, facts)  # and the plain tensor and the int
         dcp_says, ours_says = facts["partial"]
         assert dcp_says is not None and "partial placements" in dcp_says and ours_says == dcp_says, facts
+
+
+_PLACEMENTS = st.lists(st.one_of(st.just(None), st.integers(0, 2)), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(0, 13), min_size=1, max_size=3), dims=_PLACEMENTS,
+       data=st.data())
+def test_shard_place_is_torchs_placement(shape, dims, data):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from ckpt_core.planner import shard_place
+
+    placements = tuple(Replicate() if d is None else Shard(d % len(shape)) for d in dims)
+    mesh_shape = tuple(data.draw(st.integers(1, 5)) for _ in dims)
+    coordinate = tuple(data.draw(st.integers(0, n - 1)) for n in mesh_shape)
+    expected = _compute_local_shape_and_global_offset(tuple(shape), mesh_shape, list(coordinate), placements)
+    assert shard_place(tuple(shape), mesh_shape, coordinate, placements) == expected
+
+
+def test_shard_place_leaves_strided_shards_to_torch():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpt_core.planner import shard_place
+
+    assert shard_place((8,), (2, 2), (0, 1), (_StridedShard(0, split_factor=2), Shard(0))) is None
+    assert shard_place((8,), (2,), (1,), (Shard(0),)) == ((4,), (4,))
