@@ -28,6 +28,10 @@ one request at a time anyway, so nothing is lost); it is started by the first
 process-mode save, replaced when a save finds it dead, and it lives until
 interpreter exit, whatever managers are created, closed or dropped.
 
+The process is spawned without the training script (``_without_main``):
+``spawn`` would otherwise run the script's top level in it first, its imports
+(memory) and, in a script without a ``__main__`` guard, a second run.
+
 Both modes write on daemon threads, not on ``concurrent.futures`` workers,
 which the interpreter joins without a bound before ``atexit`` handlers run:
 at exit the only wait for a save is ``CheckpointManager``'s bounded flush
@@ -225,14 +229,85 @@ def _bounded_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
     _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
 
 
+WRITER_PROCESS_NAME = "ckpt-writer-process"
+"""The name of the checkpoint process: ``spawn`` starts it without the training script (``_without_main``)."""
+
+
+def _without_main(get_preparation_data: Callable[[str], dict]) -> Callable[[str], dict]:
+    """``multiprocessing.spawn.get_preparation_data`` that leaves the main module out for the writer process.
+
+    A spawned process first runs the parent's main module (the training
+    script) as ``__mp_main__``: every top-level import and statement of it
+    (``import lightning``: 67 MB of memory; a top-level ``wandb.init()`` or log
+    file). The writer needs none of it: its target and everything it
+    unpickles come from importable modules (``Saver`` refuses state that
+    names the script's own classes). Other processes are started unchanged.
+    """
+    def prepare(name: str) -> dict:
+        data = get_preparation_data(name)
+        if name == WRITER_PROCESS_NAME:
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+
+    prepare.ckpt_core_without_main = True  # type: ignore[attr-defined]
+    return prepare
+
+
+def script_classes(obj: Any) -> list[str]:
+    """The classes defined in the training script (``__main__``) of the values in ``obj`` (dicts, lists,
+    tuples, sets walked): what the writer process, started without the script, could not unpickle."""
+    found: set[str] = set()
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        if getattr(type(value), "__module__", None) == "__main__":
+            found.add(f"__main__.{type(value).__qualname__}")
+    return sorted(found)
+
+
+def _install_without_main() -> None:
+    from multiprocessing import spawn
+
+    if not getattr(spawn.get_preparation_data, "ckpt_core_without_main", False):
+        spawn.get_preparation_data = _without_main(spawn.get_preparation_data)
+
+
+def _start_writer(self: Any, pg_init_info: Any) -> None:
+    """torch's ``_AsyncCheckpointProcess.__init__``, the process named ``WRITER_PROCESS_NAME`` and
+    started without the training script."""
+    import torch.multiprocessing as mp
+    from torch.distributed.checkpoint._async_process_executor import _CheckpointSaveProcessControlOpts
+
+    _install_without_main()
+    self.ctx = mp.get_context("spawn")
+    self._process_pipe, child_end = self.ctx.Pipe()
+    self._save_process = self.ctx.Process(target=_bounded_subprocess, args=(pg_init_info, child_end),
+                                          name=WRITER_PROCESS_NAME, daemon=True)
+    self._save_process.start()
+    child_end.close()  # the parent's recv fails fast if the child dies
+    # torch's bound: spawning and importing torch takes seconds on a busy node, beyond a collective timeout; a
+    # hang in the new process group's set-up ends within ckpt_timeout_s there and comes back as its exception
+    response = self._wait_for_response(timeout=1800)
+    if response != _CheckpointSaveProcessControlOpts.INIT_COMPLETE:
+        raise RuntimeError(f"the checkpoint writer process did not start: {response!r}")
+
+
 def _bounded_process_class() -> type:
-    """torch's ``_AsyncCheckpointProcess`` whose spawned process runs ``_bounded_subprocess``."""
+    """torch's ``_AsyncCheckpointProcess`` whose spawned process runs ``_bounded_subprocess``, started
+    without the training script (``_start_writer``)."""
     from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
 
     global _BOUNDED
     if _BOUNDED is None:
         _BOUNDED = type("BoundedCheckpointProcess", (_AsyncCheckpointProcess,),
-                        {"_checkpointing_subprocess": staticmethod(_bounded_subprocess)})
+                        {"__init__": _start_writer,
+                         "_checkpointing_subprocess": staticmethod(_bounded_subprocess)})
     return _BOUNDED
 
 

@@ -213,7 +213,15 @@ class Saver:
                 fut.set_result(None)
                 return fut
             assert self.stager is not None
-            staged = self.stager.stage(_plain_state_dict(state.state_dict()))
+            plain = _plain_state_dict(state.state_dict())
+            named = background.script_classes(plain) if mode == "process" else []
+            if mode == "process" and any(self._control.all_gather(bool(named))):  # every rank refuses together
+                raise ValueError(
+                    f"the state holds objects of classes defined in the training script "
+                    f"({', '.join(named) or 'on another rank'}); the "
+                    "checkpoint writer process does not run the script, so it cannot unpickle them: define them in "
+                    "an importable module, or save with async_mode='thread'")
+            staged = self.stager.stage(plain)
             if mode == "process":
                 init = background.PROCESS.init_info(self._pg, self._control,  # collective when ranks > 1
                                                      self.settings.collective_timeout_s)

@@ -115,5 +115,5 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "scheduler": scheduler.state_dict()}, f"{args.record}.pt")
 
 
-if __name__ == "__main__":  # DCP's background writer process re-imports this module
+if __name__ == "__main__":
     main()

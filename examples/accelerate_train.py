@@ -174,5 +174,5 @@ def main(argv: list[str]) -> None:
     accelerator.end_training()
 
 
-if __name__ == "__main__":  # required: DCP's background writer process re-imports this module
+if __name__ == "__main__":
     main(sys.argv[1:])

@@ -387,5 +387,5 @@ def main(argv: Optional[list[str]] = None) -> dict:
     return summary
 
 
-if __name__ == "__main__":  # DCP's background writer process re-imports this module
+if __name__ == "__main__":
     main()
