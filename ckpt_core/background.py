@@ -258,9 +258,14 @@ def script_classes(obj: Any) -> list[str]:
     """The classes defined in the training script (``__main__``) of the values in ``obj`` (dicts, lists,
     tuples, sets walked): what the writer process, started without the script, could not unpickle."""
     found: set[str] = set()
+    seen: set[int] = set()
     stack = [obj]
     while stack:
         value = stack.pop()
+        if isinstance(value, (dict, list, tuple, set, frozenset)):
+            if id(value) in seen:  # a container met again (shared, or a cycle)
+                continue
+            seen.add(id(value))
         if isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())

@@ -105,3 +105,6 @@ def test_script_classes_names_every_class_of_the_script_in_nested_containers():
     state = {"model": {"w": [1.0, (Other(), {Knob(): "key"})]}, "optim": {"groups": [{"lr": 0.1}]}}
     assert script_classes(state) == ["__main__.Knob"]
     assert script_classes({"a": [Other(), 3, "x", None]}) == []
+    loop: list = [Knob()]
+    loop.append(loop)  # a cycle ends the walk
+    assert script_classes({"a": loop, "b": loop}) == ["__main__.Knob"]
