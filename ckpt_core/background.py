@@ -266,11 +266,7 @@ def script_classes(obj: Any) -> list[str]:
             if id(value) in seen:  # a container met again (shared, or a cycle)
                 continue
             seen.add(id(value))
-        if isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
+            stack.extend([*value.keys(), *value.values()] if isinstance(value, dict) else value)
         if getattr(type(value), "__module__", None) == "__main__":
             found.add(f"__main__.{type(value).__qualname__}")
     return sorted(found)

@@ -75,12 +75,13 @@ def shard_chunk(tensor: DTensor) -> tuple[torch.Size, torch.Size]:
     """(sizes, offsets) of this rank's shard of ``tensor``, as DCP's ``compute_local_shape_and_global_offset``
     gives them; computed once per (global shape, mesh, placements, this rank's coordinate) in a process."""
     mesh = tensor.device_mesh
-    key = (tuple(tensor.shape), mesh, tuple(tensor.placements), tuple(mesh.get_coordinate() or ()))
+    placements, coordinate = tuple(tensor.placements), tuple(mesh.get_coordinate() or ())
+    key = (tuple(tensor.shape), mesh, placements, coordinate)
     with _CHUNKS_LOCK:
         hit = _CHUNKS.get(key)
     if hit is not None:
         return hit
-    place = shard_place(tuple(tensor.shape), tuple(mesh.shape), key[3], key[2])
+    place = shard_place(tuple(tensor.shape), tuple(mesh.shape), coordinate, placements)
     sizes, offsets = place or compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
     hit = (torch.Size(sizes), torch.Size(offsets))
     with _CHUNKS_LOCK:

@@ -214,13 +214,8 @@ class Saver:
                 return fut
             assert self.stager is not None
             plain = _plain_state_dict(state.state_dict())
-            named = background.script_classes(plain) if mode == "process" else []
-            if mode == "process" and any(self._control.all_gather(bool(named))):  # every rank refuses together
-                raise ValueError(
-                    f"the state holds objects of classes defined in the training script "
-                    f"({', '.join(named) or 'on another rank'}); the "
-                    "checkpoint writer process does not run the script, so it cannot unpickle them: define them in "
-                    "an importable module, or save with async_mode='thread'")
+            if mode == "process":
+                self._refuse_script_classes(plain)
             staged = self.stager.stage(plain)
             if mode == "process":
                 init = background.PROCESS.init_info(self._pg, self._control,  # collective when ranks > 1
@@ -228,6 +223,16 @@ class Saver:
                 return background.PROCESS.submit(staged, writer, planner, init)
             return background.run_on_thread(dcp.save, staged, storage_writer=writer, planner=planner,
                                             process_group=self._pg)
+
+    def _refuse_script_classes(self, state_dict: dict) -> None:
+        """Raise if a rank's state holds objects of classes of the training script, which the writer process
+        (started without the script) could not unpickle; collective: every rank refuses together."""
+        named = background.script_classes(state_dict)
+        if any(self._control.all_gather(bool(named))):
+            raise ValueError(
+                f"the state holds objects of classes defined in the training script "
+                f"({', '.join(named) or 'on another rank'}); the checkpoint writer process does not run the script, "
+                "so it cannot unpickle them: define them in an importable module, or save with async_mode='thread'")
 
     def _mode_for(self, state: TrainState) -> str:
         mode, limit = self.settings.async_mode, self.settings.max_host_memory_bytes
