@@ -48,8 +48,9 @@ Each variant of a cycle:
    interpreter + imports, process group, model construction, manager
    creation, the restore's phases, then the first step. A durable restore's
    phases are ``CheckpointManager.last_restore_timings`` (discover = listing +
-   choosing + validating, load = DCP load into fresh buffers, apply =
-   set_state_dict etc., verify = fingerprints). A local restore sets no
+   choosing + validating, load = DCP load into the live tensors (``--load
+   fresh``: into fresh buffers) with the read's fingerprint sums, apply =
+   set_state_dict etc., verify = fingerprints and checks). A local restore sets no
    timings, so the worker wraps the local tier's methods (in its own process;
    ``ckpt_core`` is not changed): discover = the durable tier's listing + the
    scan and agreement, load = read (or receive) + CRC32C + fresh buffers, apply,
@@ -57,8 +58,10 @@ Each variant of a cycle:
    too: ``restore_rss_ratio`` is the peak RSS that the process group, building
    the state and restoring it add above the RSS after imports (sampled every 2
    ms, ``_common.RssMeter``), divided by the state's bytes on the rank (worst
-   rank). The floor is 2.0: the live state plus the fresh buffers a restore
-   loads into before anything is applied.
+   rank). The floor is 1.0 for a durable restore in place (the live state;
+   the read's buffers come on top), 2.0 with ``--load fresh`` and for a
+   local restore (the live state plus the fresh buffers loaded before
+   anything is applied).
 4. *limits*: right after the resume, the restored bytes are read once more,
    front to back, in 64 MiB reads: a durable checkpoint's files evicted from
    the page cache again, twice, buffered and with ``O_DIRECT``, the faster of
@@ -261,6 +264,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
     model, tensors, local_bytes = C.build_model(spec["size_bytes"], spec["tensor_bytes"], rank, world, seed=1)
     marks["t_model"] = time.time()
     mgr = CheckpointManager(spec["root"], async_mode=spec["async_mode"], writer_threads=spec["writer_threads"],
+                            restore_in_place=spec.get("restore_in_place", True),
                             every_n_steps=spec["every"], keep_last=2, run_id=spec["run_id"],
                             storage_options=spec.get("storage_options") or {}, **local_settings(spec, rank))
     state = TrainState(model=model)
@@ -859,8 +863,8 @@ def print_summary(s: dict, args: argparse.Namespace, ranks: int, tier: str) -> N
               f"over the baseline ({s['busy_steps']} steps), the other steps "
               f"{C.fmt(None if s['quiet_overhead'] is None else 100 * s['quiet_overhead'], '+.1f')}%")
     print(f"restore memory: building the state and restoring it added {C.fmt(C.ratio(s['restore_rss_added'], C.MiB), '.0f')} MiB "
-          f"of RSS per rank = {C.fmt(s['restore_rss_ratio'], '.2f')}x the rank's state (median; floor 2.0 = live state "
-          f"+ fresh load buffers; target <= 2.1)")
+          f"of RSS per rank = {C.fmt(s['restore_rss_ratio'], '.2f')}x the rank's state (median; floor "
+          f"{'1.0 = the live state, loaded in place' if args.load == 'in_place' and tier == 'durable' else '2.0 = live state + fresh load buffers'})")
     print(f"restored the newest committed checkpoint or snapshot every time: {s['all_restored_newest']}; "
           f"torn (uncommitted) step directories seen and skipped: {s['torn_seen']}")
 
@@ -952,6 +956,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--async-mode", default="process", choices=("process", "thread", "off"))
     p.add_argument("--writer-threads", type=int, default=1)
     p.add_argument("--matmul-n", type=int, default=512)
+    p.add_argument("--load", default="in_place", choices=("in_place", "fresh"),
+                   help="a durable restore loads into the live tensors (restore_in_place, the default) or into fresh "
+                        "buffers (restore_in_place=False)")
     p.add_argument("--warm", action="store_true", help="keep the checkpoint in the page cache for the resume")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill steps")
     p.add_argument("--timeout", type=float, default=900)
@@ -1001,7 +1008,8 @@ def main(argv: Optional[list] = None) -> int:
             cal = calibrate(threads, args.matmul_n, args.step_s)
             base = {"ranks": ranks, "threads": threads, "size_bytes": args.size_bytes,
                     "tensor_bytes": args.tensor_bytes, "every": args.every, "async_mode": args.async_mode,
-                    "writer_threads": args.writer_threads, "baseline_steps": args.baseline_steps, **cal}
+                    "writer_threads": args.writer_threads, "baseline_steps": args.baseline_steps,
+                    "restore_in_place": args.load == "in_place", **cal}
             cycles = []
             for i in range(args.repeats):
                 kill_at = rng.randrange(2 * args.every, 5 * args.every)

@@ -20,9 +20,11 @@ process, per rank:
 
 while a thread samples the RSS (``/proc/self/statm``) every 2 ms. The figure is
 ``restore_rss_ratio = (peak RSS - baseline) / state bytes``, state bytes being
-the rank's model + optimizer tensors after the restore. The floor is 2.0: the
-live state plus one set of fresh buffers, because a restore loads into fresh
-buffers and applies them only after the fingerprint matched. ``--phases``
+the rank's model + optimizer tensors after the restore. ``--load in_place``
+(the default ``restore_in_place``) loads into the live tensors: the floor is
+1.0, the live state, plus the read's buffers. ``--load fresh``
+(``restore_in_place=False``) loads into fresh buffers applied only after the
+fingerprint matched: the floor is 2.0. Both run by default. ``--phases``
 adds the RSS at the boundaries of ``CheckpointManager._load_and_apply``
 (template, dcp.load, fingerprint, apply, fingerprint) to find what lies
 above that floor.
@@ -31,6 +33,7 @@ above that floor.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -119,7 +122,7 @@ def rank_main(rank: int, world: int, rdzv: Any, spec: dict) -> None:
         meter = C.RssMeter(spec["interval_s"]).start()
         model, opts = build_state(spec["size_bytes"], spec["tensor_bytes"], rank, world, spec["optim"])
         meter.mark("build")
-        mgr = CheckpointManager(spec["root"], async_mode="off")
+        mgr = CheckpointManager(spec["root"], async_mode="off", restore_in_place=spec["in_place"])
         state = TrainState(model=model, optimizers=opts)
         meter.mark("manager")
         if spec["phases"]:
@@ -148,7 +151,7 @@ def worker_main(spec_path: str) -> None:
 # -------------------------------------------------------------- harness side
 def measure(size_bytes: int, tensor_bytes: int, ranks: int = 1, optim: str = "none", phases: bool = False,
             root: Optional[str] = None, log_path: Optional[Path] = None, timeout: float = 900,
-            interval_s: float = 0.002, save_ranks: Optional[int] = None) -> dict:
+            interval_s: float = 0.002, save_ranks: Optional[int] = None, load: str = "in_place") -> dict:
     """Save a checkpoint in one fresh process, restore it in another; the restoring ranks' RSS figures.
 
     ``save_ranks`` (default ``ranks``) saves at another world size: the restore reshards.
@@ -159,15 +162,16 @@ def measure(size_bytes: int, tensor_bytes: int, ranks: int = 1, optim: str = "no
     threads = max(1, (os.cpu_count() or 1) // ranks)
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-rmem-", dir=root) as tmp:
         base = {"ranks": ranks, "threads": threads, "size_bytes": size_bytes, "tensor_bytes": tensor_bytes,
-                "optim": optim, "phases": phases, "interval_s": interval_s, "root": os.path.join(tmp, "ckpt")}
-        label = f"{size_bytes / C.MiB:.0f} MiB, {ranks} rank(s), optim={optim}"
+                "optim": optim, "phases": phases, "interval_s": interval_s, "root": os.path.join(tmp, "ckpt"),
+                "in_place": load == "in_place"}
+        label = f"{size_bytes / C.MiB:.0f} MiB, {ranks} rank(s), optim={optim}, load={load}"
         C.run_worker("restore_memory", {**base, "ranks": save_ranks, "threads": max(1, (os.cpu_count() or 1) // save_ranks),
                                         "role": "save", "label": "save " + label}, timeout, log_path)
         ranks_out = C.run_worker("restore_memory", {**base, "role": "restore", "label": "restore " + label},
                                  timeout, log_path)
     worst = max(ranks_out, key=lambda r: r["rss_ratio"])
     return {"size_bytes": size_bytes, "tensor_bytes": tensor_bytes, "ranks": ranks, "save_ranks": save_ranks,
-            "optim": optim,
+            "optim": optim, "load": load,
             "restore_rss_ratio": worst["rss_ratio"], "maxrss_ratio": max(r["maxrss_ratio"] for r in ranks_out),
             "state_bytes": worst["state_bytes"], "peak_rss_added": worst["peak_rss_added"], "per_rank": ranks_out}
 
@@ -182,6 +186,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--save-ranks", type=int, default=None,
                    help="save at this many ranks (default: as many as restore; otherwise the restore reshards)")
     p.add_argument("--optim", nargs="+", default=["none", "init"], choices=OPTIM_MODES)
+    p.add_argument("--load", nargs="+", default=["in_place", "fresh"], choices=("in_place", "fresh"),
+                   help="restore into the live tensors (restore_in_place=True, the default) or into fresh buffers")
     p.add_argument("--phases", action="store_true", help="also mark the RSS at the restore's phase boundaries")
     p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory under it)")
     p.add_argument("--out", default=None)
@@ -197,21 +203,19 @@ def main(argv: Optional[list] = None) -> int:
     stamp = C.timestamp()
     log_path = C.RESULTS_DIR / f"restore_memory_{stamp}.log"
     results = []
-    print(f"{'state':>9} {'ranks':>5}{' (saved at %d)' % args.save_ranks if args.save_ranks else ''} {'optim':>5} {'state/rank':>10} {'peak added':>10} {'ratio':>6} "
+    print(f"{'state':>9} {'ranks':>5}{' (saved at %d)' % args.save_ranks if args.save_ranks else ''} {'optim':>5} {'load':>8} {'state/rank':>10} {'peak added':>10} {'ratio':>6} "
           f"{'maxrss':>6}", flush=True)
-    for size in args.size_gib:
-        for ranks in args.ranks:
-            for optim in args.optim:
-                r = measure(int(size * C.GiB), int(args.tensor_mib * C.MiB), ranks, optim, args.phases,
-                            args.dir, log_path, save_ranks=args.save_ranks)
-                results.append(r)
-                print(f"{size * 1024:>6.0f}MiB {ranks:>5} {optim:>5} {r['state_bytes'] / C.MiB:>7.0f}MiB "
-                      f"{r['peak_rss_added'] / C.MiB:>7.0f}MiB {r['restore_rss_ratio']:>6.2f} "
-                      f"{r['maxrss_ratio']:>6.2f}", flush=True)
-                if args.phases:
-                    for pr in r["per_rank"]:
-                        print("      rank %d: %s" % (pr["rank"], ", ".join(
-                            f"{p['phase']} {p['rss']:.0f} (peak {p['peak']:.0f}, anon {p['anon']:.0f})" for p in pr["phases_mib"])))
+    for size, ranks, optim, load in itertools.product(args.size_gib, args.ranks, args.optim, args.load):
+        r = measure(int(size * C.GiB), int(args.tensor_mib * C.MiB), ranks, optim, args.phases,
+                    args.dir, log_path, save_ranks=args.save_ranks, load=load)
+        results.append(r)
+        print(f"{size * 1024:>6.0f}MiB {ranks:>5} {optim:>5} {load:>8} {r['state_bytes'] / C.MiB:>7.0f}MiB "
+              f"{r['peak_rss_added'] / C.MiB:>7.0f}MiB {r['restore_rss_ratio']:>6.2f} "
+              f"{r['maxrss_ratio']:>6.2f}", flush=True)
+        if args.phases:
+            for pr in r["per_rank"]:
+                print("      rank %d: %s" % (pr["rank"], ", ".join(
+                    f"{p['phase']} {p['rss']:.0f} (peak {p['peak']:.0f}, anon {p['anon']:.0f})" for p in pr["phases_mib"])))
     payload = {"benchmark": "restore_memory", "timestamp": stamp, "machine": C.machine_info(),
                "config": {k: v for k, v in vars(args).items() if k != "worker"}, "results": results}
     paths = C.save_json(f"restore_memory_{stamp}.json", payload, args.out)

@@ -17,6 +17,7 @@ _EXPORTS = {
     "IntegrityError": "integrity",
     "UnsafeCheckpointError": "safe_pickle",
     "RestoreError": "errors",
+    "OverwrittenStateError": "overwritten",
     "SaveError": "errors",
     "RankLostError": "rank_loss",
     "LeaseError": "lease",

@@ -8,7 +8,7 @@ a load that silently went wrong. Non-finite sums mark a state unhealthy.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -151,13 +151,17 @@ def compare(expected: Mapping[str, Entry], actual: Mapping[str, Entry], rtol: fl
     return problems
 
 
-def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1) -> dict[str, Entry]:
+def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1, known: Optional[Mapping[str, Entry]] = None,
+                  summed: Optional[dict[str, Entry]] = None) -> dict[str, Entry]:
     """This rank's contribution to the fingerprint of a flattened state dict.
 
     DTensor shards contribute their local part (divided among replicas);
     plain tensors are replicated, so only rank 0 contributes them. With
     ``workers`` > 1 the tensors are summed on that many threads (numpy
     releases the GIL): for a restore, when no training shares the cores.
+    ``known``: entries of local tensors (a DTensor's local shard) already
+    summed, taken instead of summing them again; ``summed`` receives the entry
+    of every local tensor that contributed, summed or known.
     """
     from torch.distributed.tensor import DTensor
 
@@ -176,7 +180,12 @@ def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1) -> di
             jobs[fqn] = (value, 1)
         else:
             out[fqn] = (0.0, 0.0, 0)
-    for fqn, (s, a, n), replicas in _entries(jobs, workers):
+    known = known or {}
+    done = [(fqn, known[fqn], jobs[fqn][1]) for fqn in jobs if fqn in known]
+    done += _entries({fqn: job for fqn, job in jobs.items() if fqn not in known}, workers)
+    for fqn, (s, a, n), replicas in done:
+        if summed is not None:
+            summed[fqn] = (s, a, n)
         out[fqn] = (s / replicas, a / replicas, n / replicas) if replicas > 1 else (s, a, n)  # type: ignore
     return out
 
@@ -192,17 +201,78 @@ def _entries(jobs: Mapping[str, tuple[torch.Tensor, int]], workers: int) -> list
     return [(fqn, e, r) for (fqn, (_, r)), e in zip(jobs.items(), entries)]
 
 
-def global_entries(flat: Mapping[str, object], group: Optional[object] = None, workers: int = 1) -> dict[str, Entry]:
+def global_entries(flat: Mapping[str, object], group: Optional[object] = None, workers: int = 1,
+                   known: Optional[Mapping[str, Entry]] = None, summed: Optional[dict[str, Entry]] = None
+                   ) -> dict[str, Entry]:
     """Fingerprint of the full logical state, all-reduced over ``group`` when distributed (``local_entries``'s
-    ``workers``)."""
+    ``workers``, ``known`` and ``summed``)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
-    local = local_entries(flat, rank, workers)
+    local = local_entries(flat, rank, workers, known, summed)
     if not distributed or dist.get_world_size(group) == 1:
         return local
     keys = sorted(local)
     buf = torch.tensor([[*local[k]] for k in keys], dtype=torch.float64).reshape(len(keys), 3)
     dist.all_reduce(buf, group=group)
     return {k: (float(buf[i, 0]), float(buf[i, 1]), int(round(float(buf[i, 2])))) for i, k in enumerate(keys)}
+
+
+MAX_REGIONS = 256
+"""Regions of one tensor at most for ``tiled_entry`` (its check is quadratic); more: the tensor is summed whole."""
+
+Region = tuple[tuple[int, ...], tuple[int, ...], Optional[Entry]]
+"""(offsets, lengths, entry) of a region read into a tensor; no entry: it was not summed."""
+
+
+def tiled_entry(shape: Sequence[int], regions: Sequence[Region]) -> Optional[Entry]:
+    """The entry of a tensor of ``shape`` added up from the entries of its regions, when they tile it exactly.
+
+    Exactly: every region summed, inside the tensor and holding as many
+    elements as its entry counts, no two overlapping, together as many
+    elements as the tensor has. Otherwise None (the tensor is summed whole):
+    a part no region covers, or one read twice, would escape the sums.
+    """
+    total = math.prod(shape)
+    if len(regions) > MAX_REGIONS or sum(math.prod(lengths) for _, lengths, _ in regions) != total:
+        return None
+    boxes = []
+    for offsets, lengths, entry in regions:
+        if entry is None or len(offsets) != len(shape) or len(lengths) != len(shape) \
+                or entry[2] != math.prod(lengths):
+            return None
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            return None
+        if math.prod(lengths):
+            boxes.append((offsets, lengths))
+    for i, (o1, n1) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1 :]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2)):
+                return None
+    return combine({"t": entry} for _, _, entry in regions)["t"] if regions else (0.0, 0.0, 0)
+
+
+class RegionSums:
+    """Entries of the regions read into the tensors named ``wanted``, summed by the read as each region's item
+    was checked (``inplace_read``), while the other regions are still being read."""
+
+    def __init__(self, wanted: Iterable[str]) -> None:
+        self.wanted = frozenset(wanted)
+        self.regions: dict[str, list[Region]] = {}
+
+    def add(self, fqn: str, offsets: Sequence[int], lengths: Sequence[int], entry: Optional[Entry]) -> None:
+        """A region of tensor ``fqn`` was loaded: summed (``entry``), or by a path that does not sum (None)."""
+        if fqn in self.wanted:
+            self.regions.setdefault(fqn, []).append((tuple(offsets), tuple(lengths), entry))
+
+    def known(self, local: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
+        """Entries of the tensors of ``local`` (fqn -> the tensor its regions were read into) whose regions tile
+        them (``tiled_entry``)."""
+        out = {}
+        for fqn, regions in self.regions.items():
+            tensor = local.get(fqn)
+            entry = None if tensor is None else tiled_entry(tuple(tensor.shape), regions)
+            if entry is not None:
+                out[fqn] = entry
+        return out

@@ -35,7 +35,7 @@ from .config import CheckpointSettings, resolve_entry_point
 from .dcp_io import with_retries
 from .decisions import GO, SKIP, SaveContext, checkpoint_too_old, on_stale, skip_reason, wanted, while_in_flight
 from .discovery import choose_for_restore, list_records, read_manifest
-from . import gloo_workers, lease_holder
+from . import gloo_workers, lease_holder, overwritten
 from .errors import RestoreError, SaveError, StaleCheckpointError, describe, release_frames
 from .lease import LeaseError, LeaseHeldError, LeaseLostError, job_run_id
 from .manifest import ManifestError, new_checkpoint_id
@@ -202,6 +202,7 @@ class CheckpointManager:
         if self._local is not None:
             self._local.poll()
             if self._local.due(step, local_due):
+                overwritten.refuse(state.live_objects(), step)
                 self._local.snapshot(step, state)
         if self._exchanges:  # this call's flags, read at the next exchange: a signal and rank 0's clocks
             self._flags.end(lambda: [self._local_signal() or 0, int(self.rank == 0 and self._time_due()),
@@ -283,6 +284,7 @@ class CheckpointManager:
 
     def _start(self, step: int, state: TrainState, metrics: Optional[dict[str, float]], dirname: str,
                waited_s: float = 0.0) -> bool:
+        overwritten.refuse(state.live_objects(), step)  # on every rank: a failed restore marked them on all
         try:
             self._guard_lease(step)
         except SaveError as e:

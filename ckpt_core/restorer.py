@@ -1,11 +1,21 @@
 """The restorer: discover, choose, load, verify, apply; fall back past what cannot be used.
 
 Rank 0 lists the candidates (newest valid first, or exactly the one asked
-for) and checks each; every rank reads the manifest and ``.metadata``,
-builds fresh buffers and loads through DCP (resharding); nothing is applied
-until the loaded tensors match the saved fingerprint and the state's own
-step and epoch match the manifest. A problem on any rank is agreed on by all,
-so every rank falls back to the same older checkpoint.
+for) and checks each; every rank reads the manifest and ``.metadata`` and
+loads through DCP (resharding) into the live model and optimizer tensors
+(``restore_in_place``, the default) or into fresh buffers; the rest of the
+state is applied only once the loaded tensors match the saved fingerprint and
+the state's own step and epoch match the manifest. A problem on any rank is
+agreed on by all, so every rank falls back to the same older checkpoint,
+which overwrites whatever the failed attempt loaded. The model and optimizers
+stay marked as partly overwritten (``overwritten``) from the first write into
+them until a whole checkpoint is in.
+
+The fingerprint of the loaded tensors is summed by the read itself, region by
+region as each item is checked (``fp.RegionSums``); tensors whose regions do
+not tile them are summed after the load. After the apply, a tensor that is
+still the memory it was loaded into keeps its entry; the others are summed
+again.
 """
 
 from __future__ import annotations
@@ -16,10 +26,11 @@ import time
 import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from . import fingerprint as fp
-from . import signing
+from . import overwritten, signing
 from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .dcp_io import SafeLoadPlanner, make_reader
@@ -75,21 +86,22 @@ class Restorer:
             if problem is None:
                 try:
                     self._load_and_apply(rec, state)
+                    overwritten.clear(state.live_objects())
                     log.info("ckpt_core: restored step %d from %s in %.2fs %s", rec.step, rec.path,
                              time.monotonic() - t0, self.timings)
                     return rec, committed
                 except Unloadable as e:
                     problem = str(e)
-            self._fall_back(rec, problem, explicit)
+            self._fall_back(rec, problem, explicit, state)
         if candidates:
             raise RestoreError(f"no checkpoint under {self.root} could be restored (tried steps "
-                               f"{[r.step for r in candidates]}); see the warnings above")
+                               f"{[r.step for r in candidates]}); see the warnings above" + _left_over(state))
         return None, committed
 
-    def _fall_back(self, rec: CheckpointInfo, problem: str, explicit: bool) -> None:
+    def _fall_back(self, rec: CheckpointInfo, problem: str, explicit: bool, state: TrainState) -> None:
         msg = f"checkpoint {rec.path} (step {rec.step}) is not usable: {problem}"
         if explicit:
-            raise RestoreError(msg)
+            raise RestoreError(msg + _left_over(state))
         self.fallbacks += 1
         if self._group.rank == 0:
             warnings.warn(msg + "; falling back to an older checkpoint", stacklevel=4)
@@ -163,7 +175,7 @@ class Restorer:
 
     # ------------------------------------------------------------- every rank
     def _prepare_load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Any, Manifest, dict, dict]:
-        """Read and check the manifest and ``.metadata``, build fresh buffers; agree on problems."""
+        """Read and check the manifest and ``.metadata``, build what DCP loads into; agree on problems."""
         problem = None
         try:
             manifest = self._read_manifest(rec)
@@ -171,7 +183,7 @@ class Restorer:
                                  manifest if self.settings.verify != "none" else None, self.settings.direct_io)
             metadata = reader.read_metadata()
             check_world_size(manifest, metadata)
-            template, wanted = state.load_template(metadata, manifest.world_size)
+            template, wanted = state.load_template(metadata, manifest.world_size, self.settings.restore_in_place)
         except StateMismatchError as e:
             problem = ("mismatch", str(e))
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException: fall back on it too
@@ -184,12 +196,15 @@ class Restorer:
             raise StateMismatchError(msg) if kind == "mismatch" else Unloadable(msg)
         return reader, manifest, template, wanted
 
-    def _load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Manifest, dict, dict]:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
+    def _load(self, rec: CheckpointInfo, state: TrainState) -> tuple[Manifest, dict, dict, dict, dict]:
+        """Load ``rec`` and check it; the manifest, the loaded template, the ranks wanted, the loaded model and
+        optimizer tensors (flat) and the local entries of their fingerprint."""
         t0 = time.monotonic()
         self.timings["fingerprint"] = 0.0
         reader, manifest, template, wanted = self._prepare_load(rec, state)
+        reader.region_sums = fp.RegionSums(_summed_here(_tensors(template), self._group.rank))
+        if self.settings.restore_in_place:
+            overwritten.mark(state.live_objects(), f"the restore of step {rec.step} from {rec.path}")
         try:
             dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
         except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
@@ -199,8 +214,9 @@ class Restorer:
             raise Unloadable(f"loading failed: {describe(e)}") from e
         t1 = time.monotonic()
         self.timings["load"] = t1 - t0
-        flat, _ = flatten_state_dict({k: v for k, v in template.items() if k in ("model", "optim")})
-        diffs = fp.compare(self._expected(manifest), self._fingerprint(flat))
+        flat, summed = _tensors(template), {}
+        diffs = fp.compare(self._expected(manifest), self._fingerprint(flat, reader.region_sums.known(_local(flat)),
+                                                                       summed))
         if diffs:
             raise Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
         try:
@@ -208,13 +224,14 @@ class Restorer:
         except ValueError as e:
             raise Unloadable(str(e)) from None
         self.timings["verify"] = time.monotonic() - t1
-        return manifest, template, wanted
+        return manifest, template, wanted, flat, summed
 
-    def _fingerprint(self, flat: dict) -> dict:
-        """The fingerprint of ``flat`` (all ranks); its time adds up in ``timings["fingerprint"]``, part of verify."""
+    def _fingerprint(self, flat: dict, known: dict, summed: Optional[dict] = None) -> dict:
+        """The fingerprint of ``flat`` (all ranks; ``fp.global_entries``'s ``known`` and ``summed``); its time adds
+        up in ``timings["fingerprint"]``, part of verify."""
         t0 = time.monotonic()
         try:
-            return fp.global_entries(flat, self._pg, workers=_RESTORE_FINGERPRINT_WORKERS)
+            return fp.global_entries(flat, self._pg, _RESTORE_FINGERPRINT_WORKERS, known, summed)
         finally:
             self.timings["fingerprint"] += time.monotonic() - t0
 
@@ -224,14 +241,13 @@ class Restorer:
         return {k: v for k, v in manifest.fingerprint.items() if k.startswith("model.")}
 
     def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-        manifest, template, wanted = self._load(rec, state)
+        manifest, template, wanted, loaded, summed = self._load(rec, state)
         t0 = time.monotonic()
+        overwritten.mark(state.live_objects(), f"the restore of step {rec.step} from {rec.path}")
         state.apply(template, wanted, manifest.world_size, weights_only=self._weights_only)
         t1 = time.monotonic()
-        after, _ = flatten_state_dict(state._model_optim())
-        diffs = fp.compare(self._expected(manifest), self._fingerprint(after))
+        after = _tensors(state._model_optim())
+        diffs = fp.compare(self._expected(manifest), self._fingerprint(after, _unmoved(summed, loaded, after)))
         self.timings.update(apply=t1 - t0, verify=self.timings["verify"] + time.monotonic() - t1)
         if diffs:
             raise RestoreError(
@@ -241,6 +257,51 @@ class Restorer:
 
 _RESTORE_FINGERPRINT_WORKERS = min(8, os.cpu_count() or 1)
 """Threads that sum the restored tensors: training does not run during a restore, so every core helps."""
+
+
+def _tensors(tree: dict) -> dict:
+    """The model and optimizer entries of a state dict, flattened as DCP names them (``model.<fqn>``...)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict({k: v for k, v in tree.items() if k in ("model", "optim")})
+    return flat
+
+
+def _local(flat: dict) -> dict:
+    """Each tensor of ``flat`` as the read fills it: a DTensor's local shard, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _summed_here(flat: dict, rank: int) -> set:
+    """The tensors of ``flat`` whose sums this rank contributes to the fingerprint (``fp.local_entries``)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k for k, v in flat.items() if fp.is_fingerprinted(k) and isinstance(v, torch.Tensor)
+            and (rank == 0 or isinstance(v, DTensor))}
+
+
+def _unmoved(summed: dict, loaded: dict, after: dict) -> dict:
+    """The entries of ``summed`` whose tensor the apply left where it was loaded: the same memory, dtype, shape
+    and strides under the same name (a load into the live tensors; an optimizer keeping the tensors loaded
+    for it). Their bytes are the ones summed; every other tensor is summed again."""
+    before, now = _local(loaded), _local(after)
+    return {k: e for k, e in summed.items() if k in before and k in now and _same_memory(before[k], now[k])}
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device, a.dtype, tuple(a.shape), a.stride(), a.data_ptr()) == \
+        (b.device, b.dtype, tuple(b.shape), b.stride(), b.data_ptr())
+
+
+def _left_over(state: TrainState) -> str:
+    """What a failed restore says about the live state it leaves."""
+    what = overwritten.problem(state.live_objects())
+    if what is None:
+        return ""
+    return (f"; the model/optimizer state was partly overwritten by {what} and is not saved until a restore "
+            "succeeds (restore_in_place=False loads into separate buffers and leaves it as it was)")
 
 
 def _report_skipped(records: list[CheckpointInfo], newest: int) -> int:

@@ -171,14 +171,23 @@ class TrainState(Stateful):
         }
 
     # --- restore -------------------------------------------------------------
-    def load_template(self, metadata: Any, saved_world_size: int) -> tuple[dict[str, Any], dict[str, int]]:
-        """Empty buffers for DCP to load into, and which saved ranks' small state we need.
+    def live_objects(self) -> list[Any]:
+        """The objects whose tensors a restore writes into: the model and the optimizers."""
+        return [o for o in (self.model, *self.optimizers) if o is not None]
 
-        Loading goes into fresh buffers, never into the live tensors, so a
-        load that fails half-way leaves the run untouched.
+    def load_template(self, metadata: Any, saved_world_size: int, in_place: bool = False
+                      ) -> tuple[dict[str, Any], dict[str, int]]:
+        """What DCP loads into, and which saved ranks' small state we need.
+
+        ``in_place``: the model and optimizer entries are the live tensors
+        themselves (their state dict, as DCP loads), so a restore needs no
+        second copy of the state and touches no fresh memory; a load that fails
+        half-way leaves them partly overwritten (``overwritten``). Otherwise they
+        are fresh buffers, and a failed load leaves the run untouched.
         """
         rank, world = _rank_world()
-        template = _empty_like_tree(self._model_optim())
+        live = self._model_optim()
+        template = live if in_place else _empty_like_tree(live)
         if "model" in template:
             _check_keys(template, metadata)
         source, _ = rng_mod.remap_rng_source(rank, saved_world_size)

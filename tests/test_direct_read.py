@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,10 +93,10 @@ class Odd(nn.Module):
         self.e = nn.Parameter(torch.randn(3, generator=g))
 
 
-def _restore(root: Path, direct: bool, scale: int = 1) -> tuple[Odd, int, str]:
+def _restore(root: Path, direct: bool, scale: int = 1, **settings: Any) -> tuple[Odd, int, str]:
     """A fresh model restored from the newest usable checkpoint under ``root``: (model, its step, warnings)."""
     fresh = Odd(scale, seed=99)
-    info, said = restore_warned(root, TrainState(model=fresh), direct_io=direct)
+    info, said = restore_warned(root, TrainState(model=fresh), direct_io=direct, **settings)
     return fresh, info.step, said.replace(_SINGLE_PROCESS, "")
 
 
@@ -281,23 +282,31 @@ bytes read by ``_read_direct``, and of those, by ``_read_straight`` with no copy
     dcp_io.ALIGN_OVERHEAD = 0.05  # two items of 1.5 MiB: 64 KiB of padding is 2 % of them
     with CheckpointManager(root, async_mode="off", handle_preemption=False) as m:
         m.save(5, TrainState(model=saved))
-    reads: list[int] = []
-    straight: list[int] = []
+    facts = {"step": {}, "direct_reads": {}, "straight": {}, "into_live": {}, "exact": {},
+             "shards": [p.to_local().numel() * 4 for p in (saved.w, saved.v)]}
     real, real_straight = inplace_read._read_direct, inplace_read._read_straight
-    inplace_read._read_direct = lambda source, offset, dest, *a: (reads.append(len(dest)),
-                                                                   real(source, offset, dest, *a))[1]
-    inplace_read._read_straight = lambda source, offset, dest, *a: (straight.append(len(dest)),
-                                                                     real_straight(source, offset, dest, *a))[1]
-    fresh = model(1)
-    try:
-        with CheckpointManager(root, async_mode="off", handle_preemption=False) as m:
-            info = m.restore(TrainState(model=fresh))
-    finally:
-        inplace_read._read_direct, inplace_read._read_straight = real, real_straight
-    facts = {"step": info.step, "direct_reads": sorted(reads), "straight": sum(straight),
-             "shards": [p.to_local().numel() * 4 for p in (saved.w, saved.v)],
-             "exact": all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(saved.parameters(),
-                                                                                  fresh.parameters()))}
+    for in_place in (False, True):
+        reads: list[int] = []
+        straight: list[int] = []
+        into: list[int] = []  # where each direct read puts its bytes
+        inplace_read._read_direct = lambda source, offset, dest, *a: (reads.append(len(dest)),
+                                                                       into.append(inplace_read._address(dest)),
+                                                                       real(source, offset, dest, *a))[2]
+        inplace_read._read_straight = lambda source, offset, dest, *a: (straight.append(len(dest)),
+                                                                         real_straight(source, offset, dest, *a))[1]
+        fresh = model(1)
+        live = [(p.to_local().data_ptr(), p.to_local().data_ptr() + p.to_local().nbytes) for p in fresh.parameters()]
+        try:
+            with CheckpointManager(root, async_mode="off", handle_preemption=False, restore_in_place=in_place) as m:
+                info = m.restore(TrainState(model=fresh))
+        finally:
+            inplace_read._read_direct, inplace_read._read_straight = real, real_straight
+        mode = "in_place" if in_place else "fresh"
+        facts["step"][mode], facts["direct_reads"][mode], facts["straight"][mode] = info.step, sorted(reads), \
+            sum(straight)
+        facts["into_live"][mode] = [any(a <= at and at + n <= b for a, b in live) for at, n in zip(into, reads)]
+        facts["exact"][mode] = all(torch.equal(a.to_local(), b.to_local())
+                                   for a, b in zip(saved.parameters(), fresh.parameters()))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(facts, f)
     dist.destroy_process_group()
@@ -313,8 +322,14 @@ def test_every_rank_of_4_reads_its_shards_directly_and_restores_them_exactly(tmp
     mp.spawn(_sharded_worker, args=(4, free_port(), str(tmp_path / "run"), str(tmp_path)), nprocs=4, join=True)
     for rank in range(4):
         facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert facts["step"] == 5 and facts["exact"], (rank, facts)
-        assert sorted(facts["shards"]) == [r for r in facts["direct_reads"] if r in facts["shards"]], (rank, facts)
-        # aligned files read into aligned local shards: all but each shard's last partial block without a copy
-        assert facts["straight"] >= sum(facts["shards"]) - 2 * 4096, (rank, facts)
+        for mode in ("fresh", "in_place"):
+            assert facts["step"][mode] == 5 and facts["exact"][mode], (rank, mode, facts)
+            shards, reads = facts["shards"], facts["direct_reads"][mode]
+            assert sorted(shards) == [r for r in reads if r in shards], (rank, mode, facts)
+        # aligned files read into aligned fresh local shards: all but each shard's last partial block without a copy
+        assert facts["straight"]["fresh"] >= sum(facts["shards"]) - 2 * 4096, (rank, facts)
+        # in place, every direct read lands in the live shards themselves (through the aligned buffer unless a
+        # shard happens to lie on a block boundary); otherwise in fresh buffers, never in the live shards
+        assert facts["into_live"]["in_place"] and all(facts["into_live"]["in_place"]), (rank, facts)
+        assert facts["into_live"]["fresh"] and not any(facts["into_live"]["fresh"]), (rank, facts)
     assert json.loads((tmp_path / "rank3.json").read_text())["shards"][1] == (1_500_007 - 3 * 375_002) * 4

@@ -194,8 +194,9 @@ def test_an_items_pickle_is_read_only_once_the_item_matched_its_checksum(tmp_pat
 
 def test_a_failed_attempt_keeps_none_of_its_buffers_once_the_restore_fell_back(tmp_path, small_reads,
                                                                                 monkeypatch):
-    """The failed load's buffers (a whole copy of the state) are freed by reference counting when the restore
-    falls back: no reference cycle through the failed read's frames keeps them until a garbage collection."""
+    """Loading into fresh buffers (``restore_in_place=False``), the failed load's buffers (a whole copy of the
+    state) are freed by reference counting when the restore falls back: no reference cycle through the failed
+    read's frames keeps them until a garbage collection."""
     import gc
     import weakref
 
@@ -217,7 +218,7 @@ def test_a_failed_attempt_keeps_none_of_its_buffers_once_the_restore_fell_back(t
     fresh = _model(seed=99)
     gc.disable()
     try:
-        info, said = restore_warned(root, TrainState(model=fresh))
+        info, said = restore_warned(root, TrainState(model=fresh), restore_in_place=False)
         assert info.step == 10 and "fail their checksum" in said
         assert len(buffers) == 2 and len(buffers[0]) == 16
         assert [r for r in buffers[0] if r() is not None] == []

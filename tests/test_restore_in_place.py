@@ -1,0 +1,438 @@
+"""A restore loads into the live model and optimizer tensors (``restore_in_place``, the default).
+
+No second copy of the state is made; a load that fails half-way is
+overwritten by the older checkpoint the restore falls back to; a state that
+no checkpoint could replace is marked, and saving it is refused until a
+restore succeeds. With ``restore_in_place=False`` the load goes into fresh
+buffers and a failed restore leaves the live state as it was. The
+fingerprint a restore checks is summed by the read, region by region, and
+after the apply only tensors that moved are summed again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import hostile
+from ckpt_core import CheckpointManager, OverwrittenStateError, RestoreError, TrainState, fingerprint as fp
+from ckpt_core import inplace_read
+from ckpt_core.restorer import Restorer
+from helpers_ckpt import assert_same_tree, restore_warned, step_path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(48, 48) for _ in range(8)])  # 16 items over 4 files
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(5, 48)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save(root: Path, steps: tuple[int, ...]) -> dict[int, tuple[dict, dict]]:
+    """Checkpoints at ``steps``, a training step before each: ``{step: (model state, optimizer state)}``."""
+    model, opt = _model()
+    state = TrainState(model=model, optimizers=opt)
+    saved = {}
+    with CheckpointManager(str(root), async_mode="off", handle_preemption=False) as m:
+        for step in steps:
+            _train(model, opt)
+            m.save(step, state)
+            saved[step] = ({k: v.clone() for k, v in model.state_dict().items()},
+                           _clone(opt.state_dict()))
+    return saved
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def _flip(ckpt: str, fqn: str) -> None:
+    """Flip a byte in the middle of the item that holds ``fqn``: its checksum fails."""
+    name, offset, length = hostile.item_of(Path(ckpt), fqn)
+    path = Path(ckpt, name)
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _change_value(ckpt: str, value: torch.Tensor) -> None:
+    """Flip a bit of one of the saved values of ``value`` (as saved): without checksums (``verify="none"``) the
+    whole checkpoint loads, and only its fingerprint tells."""
+    raw = value.numpy().tobytes()
+    shard = next(f for f in sorted(Path(ckpt).glob("*.distcp")) if raw in f.read_bytes())
+    data = bytearray(shard.read_bytes())
+    data[data.find(raw) + 403] ^= 0x40  # the top bit of the exponent of one value: about 1e37 times it
+    shard.write_bytes(bytes(data))
+
+
+def _equals(model: nn.Module, opt: torch.optim.Optimizer, expected: tuple[dict, dict]) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[0][k]), k
+    assert_same_tree(opt.state_dict(), expected[1])
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer, TrainState]:
+    model, opt = _model(seed=99)
+    _train(model, opt)  # live optimizer state: a restore in the middle of a run
+    return model, opt, TrainState(model=model, optimizers=opt)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_restore_loads_into_the_live_tensors_or_into_fresh_buffers(tmp_path, monkeypatch, in_place):
+    saved = _save(tmp_path / "run", (10,))
+    model, opt, state = _fresh()
+    live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *_tensors(opt.state)]}
+    targets: list[dict] = []
+    real = TrainState.load_template
+
+    def recording(self, *args, **kwargs):
+        template, wanted = real(self, *args, **kwargs)
+        targets.append(template)
+        return template, wanted
+
+    monkeypatch.setattr(TrainState, "load_template", recording)
+    info, said = restore_warned(tmp_path / "run", state, restore_in_place=in_place)
+    assert info.step == 10
+    _equals(model, opt, saved[10])
+    loaded = [t.untyped_storage().data_ptr() for t in _tensors({k: targets[0][k] for k in ("model", "optim")})]
+    assert len(loaded) == 16 + 32 + 16  # weights and biases; AdamW's exp_avg, exp_avg_sq and step of each
+    floats = [p for p in loaded if p in live]
+    if in_place:
+        assert len(floats) == len(loaded)
+    else:
+        assert floats == []
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+def test_a_load_that_failed_half_way_is_overwritten_by_the_checkpoint_it_falls_back_to(tmp_path, monkeypatch):
+    saved = _save(tmp_path / "run", (10, 20))
+    _change_value(step_path(tmp_path / "run", 20), saved[20][0]["6.weight"])
+    model, opt, state = _fresh()
+    at_fallback: list[dict] = []
+    real = Restorer._fall_back
+
+    def recording(self, *args, **kwargs):
+        at_fallback.append({k: v.clone() for k, v in model.state_dict().items()})
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Restorer, "_fall_back", recording)
+    info, said = restore_warned(tmp_path / "run", state, verify="none")
+    assert info.step == 10 and "step 20" in said and "model.6.weight: sum" in said, said
+    # the failed attempt had loaded all of step 20 into the live tensors, the changed value too
+    written = {k for k, v in at_fallback[0].items() if torch.equal(v, saved[20][0][k])}
+    assert written == set(saved[20][0]) - {"6.weight"}, written
+    _equals(model, opt, saved[10])
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False) as m:
+        assert m.save(30, state)  # a restored state is saved
+
+
+def test_a_state_no_checkpoint_replaced_is_marked_and_never_saved_until_a_restore_succeeds(tmp_path):
+    saved = _save(tmp_path / "run", (20,))
+    ckpt = step_path(tmp_path / "run", 20)
+    _flip(ckpt, "model.7.weight")
+    model, opt, state = _fresh()
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False) as m:
+        with pytest.warns(UserWarning, match="step 20"):
+            with pytest.raises(RestoreError, match=r"partly overwritten by the restore of step 20 from .*step_000000020"):
+                m.restore(state)
+    other = tmp_path / "other"
+    with CheckpointManager(str(other), async_mode="off", handle_preemption=False, every_n_steps=10) as m:
+        with pytest.raises(OverwrittenStateError, match=r"not saving step 30: .*restore of step 20"):
+            m.save(30, TrainState(model=model, optimizers=opt))  # another manager, on another root
+        assert m.maybe_save(41, TrainState(model=model, optimizers=opt)) is False  # nothing due: no error
+        with pytest.raises(OverwrittenStateError):
+            m.maybe_save(50, TrainState(model=model, optimizers=opt))
+    assert not any(other.glob("step_*"))
+    _flip(ckpt, "model.7.weight")  # repaired
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False) as m:
+        assert m.restore(state).step == 20
+    _equals(model, opt, saved[20])
+    with CheckpointManager(str(other), async_mode="off", handle_preemption=False) as m:
+        assert m.save(30, state)
+    assert (other / "step_000000030" / "manifest.json").exists()
+
+
+def test_an_explicit_restore_that_fails_after_writing_says_so_and_blocks_saving(tmp_path):
+    _save(tmp_path / "run", (10, 20))
+    _flip(step_path(tmp_path / "run", 20), "model.7.weight")
+    model, opt, state = _fresh()
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False) as m:
+        with pytest.raises(RestoreError, match=r"step 20\) is not usable: .*partly overwritten"):
+            m.restore(state, step=20)
+        with pytest.raises(OverwrittenStateError):
+            m.save(30, state)
+        assert m.restore(state, step=10).step == 10
+        assert m.save(30, state)
+
+
+def test_with_restore_in_place_off_a_failed_restore_leaves_the_live_state_as_it_was(tmp_path):
+    _save(tmp_path / "run", (20,))
+    _flip(step_path(tmp_path / "run", 20), "model.7.weight")
+    model, opt, state = _fresh()
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, _clone(opt.state_dict()))
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False,
+                           restore_in_place=False) as m:
+        with pytest.warns(UserWarning, match="step 20"):
+            with pytest.raises(RestoreError) as caught:
+                m.restore(state)
+        assert "overwritten" not in str(caught.value)
+        _equals(model, opt, before)
+        assert m.save(30, state)
+
+
+# ------------------------------------------------------------------- fingerprint
+def _summing(monkeypatch) -> list[set]:
+    """The tensors each fingerprint pass sums itself (not taken from the read's region sums or kept)."""
+    passes: list[set] = []
+    real = fp._entries
+
+    def recording(jobs, workers):
+        passes.append(set(jobs))
+        return real(jobs, workers)
+
+    monkeypatch.setattr(fp, "_entries", recording)
+    return passes
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_restores_fingerprint_comes_from_the_read_and_only_moved_tensors_are_summed_again(
+        tmp_path, monkeypatch, in_place):
+    saved = _save(tmp_path / "run", (10,))
+    model, opt, state = _fresh()
+    passes = _summing(monkeypatch)
+    info, _ = restore_warned(tmp_path / "run", state, restore_in_place=in_place)
+    assert info.step == 10
+    _equals(model, opt, saved[10])
+    assert passes[0] == set()  # after the load: every tensor was summed by the read
+    if in_place:
+        assert passes[1] == set()  # after the apply: every tensor is still where it was loaded
+    else:  # the model's fresh buffers were copied into the parameters: summed again there; the optimizer kept its
+        assert passes[1] == {f"model.{k}" for k in model.state_dict()}
+
+
+def test_a_value_changed_on_storage_is_caught_by_the_sums_the_read_takes(tmp_path, monkeypatch):
+    """Without checksums (``verify="none"``), the fingerprint alone catches a changed weight; the read's
+    region sums are what it compares."""
+    saved = _save(tmp_path / "run", (10, 20))
+    _change_value(step_path(tmp_path / "run", 20), saved[20][0]["6.weight"])
+    model, opt, state = _fresh()
+    passes = _summing(monkeypatch)
+    info, said = restore_warned(tmp_path / "run", state, verify="none")
+    assert info.step == 10 and "step 20" in said and "model.6.weight: sum" in said, said
+    assert passes[0] == set()  # step 20's mismatch came from the read's sums
+    _equals(model, opt, saved[10])
+
+
+def test_a_tensor_partly_loaded_by_dcps_own_path_is_summed_whole(tmp_path, monkeypatch):
+    saved = _save(tmp_path / "run", (10,))
+    ckpt = step_path(tmp_path / "run", 10)
+    name, offset, _ = hostile.item_of(Path(ckpt), "model.3.weight")
+    real = inplace_read._read_item
+
+    def not_this_one(stream, item, *args):
+        return False if (item.name, item.offset) == (name, offset) else real(stream, item, *args)
+
+    monkeypatch.setattr(inplace_read, "_read_item", not_this_one)
+    model, opt, state = _fresh()
+    passes = _summing(monkeypatch)
+    info, _ = restore_warned(tmp_path / "run", state)
+    assert info.step == 10
+    _equals(model, opt, saved[10])
+    assert passes == [{"model.3.weight"}, set()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=3), st.data())
+def test_region_sums_add_up_only_when_the_regions_tile_the_tensor(shape, data):
+    """Regions made by cutting a tensor along its dimensions add up to its entry; a region missing, repeated,
+    shifted or not summed makes the sum unusable (the tensor is then summed whole)."""
+    shape = tuple(shape)
+    boxes = [((0,) * len(shape), shape)]
+    for _ in range(data.draw(st.integers(0, 4))):
+        i = data.draw(st.integers(0, len(boxes) - 1))
+        offsets, lengths = boxes[i]
+        cuttable = [d for d, n in enumerate(lengths) if n > 1]
+        if not cuttable:
+            continue
+        d = data.draw(st.sampled_from(cuttable))
+        at = data.draw(st.integers(1, lengths[d] - 1))
+        first = (offsets, lengths[:d] + (at,) + lengths[d + 1:])
+        second = (offsets[:d] + (offsets[d] + at,) + offsets[d + 1:], lengths[:d] + (lengths[d] - at,) + lengths[d + 1:])
+        boxes[i:i + 1] = [first, second]
+    tensor = torch.arange(1, 1 + max(1, torch.Size(shape).numel()), dtype=torch.float64)[:torch.Size(shape).numel()]
+    tensor = tensor.reshape(shape)
+
+    def region(offsets, lengths):
+        view = tensor
+        for d, (o, n) in enumerate(zip(offsets, lengths)):
+            view = view.narrow(d, o, n)
+        return (offsets, lengths, fp.tensor_entry(view))
+
+    regions = [region(o, n) for o, n in boxes]
+    whole = fp.tensor_entry(tensor)
+    got = fp.tiled_entry(shape, regions)
+    assert got is not None and got[2] == whole[2] and abs(got[0] - whole[0]) <= 1e-9 * max(1.0, whole[1])
+    if len(regions) > 1:
+        assert fp.tiled_entry(shape, regions[1:]) is None  # a part read by no region
+        assert fp.tiled_entry(shape, regions[:1] + regions[:-1]) is None  # one read twice
+    if regions and tensor.numel():
+        assert fp.tiled_entry(shape, [(*regions[0][:2], None), *regions[1:]]) is None  # not summed
+        offsets, lengths, entry = regions[0]
+        if shape and lengths[0] < shape[0]:
+            moved = (offsets[0] + 1,) + offsets[1:] if offsets[0] + lengths[0] < shape[0] else (offsets[0] - 1,) + offsets[1:]
+            assert fp.tiled_entry(shape, [(moved, lengths, entry), *regions[1:]]) is None  # overlaps another
+
+
+# --------------------------------------------------------------------- memory
+_RSS_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, torch
+    from torch import nn
+    from ckpt_core import CheckpointManager, TrainState
+
+    root, in_place = sys.argv[1], sys.argv[2] == "1"
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])  # 256 MiB
+    nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    with CheckpointManager(root, async_mode="off", handle_preemption=False, restore_in_place=in_place) as m:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS starts again from the current RSS
+        before = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+        step = m.restore(TrainState(model=model)).step
+        peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+    print(json.dumps({"step": step, "added": (peak - before) / nbytes}))
+""")
+
+
+def test_a_restore_in_place_adds_a_fraction_of_the_memory_a_restore_into_fresh_buffers_adds(tmp_path):
+    """Peak RSS a restore adds, over the state's bytes, in a fresh process (256 MiB, 1 rank): in place, the read
+    buffers only; into fresh buffers, a whole second copy of the state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])
+    with CheckpointManager(str(tmp_path / "run"), async_mode="off", handle_preemption=False) as m:
+        m.save(7, TrainState(model=model))
+    del model
+    added = {}
+    for in_place in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "run"), in_place], cwd=REPO,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        facts = json.loads(out.stdout.strip().splitlines()[-1])
+        assert facts["step"] == 7
+        added[in_place] = facts["added"]
+    assert added["1"] < 0.35 and added["0"] > 0.9, added
+
+
+# -------------------------------------------------------------------- 4 ranks
+def _sharded_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """DTensor shards at 4 ranks: a newest checkpoint damaged in rank 2's shard only; facts per rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model(seed: int) -> nn.Module:
+        g = torch.Generator().manual_seed(seed)
+        m = nn.Module()
+        m.w = nn.Parameter(distribute_tensor(torch.randn(64, 96, generator=g), mesh, [Shard(0)]))
+        m.v = nn.Parameter(distribute_tensor(torch.randn(1001, generator=g), mesh, [Shard(0)]))
+        return m
+
+    kw = dict(async_mode="off", handle_preemption=False, collective_timeout_s=60)
+    saved, shards = model(0), {}
+    with CheckpointManager(root, **kw) as m:
+        for step in (10, 20):
+            with torch.no_grad():
+                for p in saved.parameters():
+                    p.add_(step)
+            m.save(step, TrainState(model=saved))
+            shards[step] = [p.to_local().clone() for p in saved.parameters()]
+    dist.barrier()
+    if rank == 0:
+        _flip_chunk(step_path(root, 20), "model.w", (2 * 16, 0))  # rank 2's rows of w
+    dist.barrier()
+    live = model(1)
+    at_fallback: list = []
+    real = Restorer._fall_back
+    Restorer._fall_back = lambda self, *a: (at_fallback.append([p.to_local().clone() for p in live.parameters()]),
+                                            real(self, *a))[1]
+    facts: dict = {}
+    try:
+        with CheckpointManager(root, **kw) as m:
+            facts["auto"] = m.restore(TrainState(model=live)).step
+    finally:
+        Restorer._fall_back = real
+    facts["exact"] = all(torch.equal(a, b) for a, b in zip(shards[10], [p.to_local() for p in live.parameters()]))
+    facts["wrote_20"] = any(torch.equal(a, b) for a, b in zip(shards[20], at_fallback[0]))
+    with CheckpointManager(root, **kw) as m:
+        try:
+            m.restore(TrainState(model=live), step=20)
+        except RestoreError as e:
+            facts["explicit"] = "partly overwritten" in str(e)
+        try:
+            m.save(30, TrainState(model=live))
+        except OverwrittenStateError:
+            facts["refused"] = True
+        facts["again"] = m.restore(TrainState(model=live), step=10).step
+        facts["saved"] = m.save(30, TrainState(model=live))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(facts, f)
+    dist.destroy_process_group()
+
+
+def _flip_chunk(ckpt: str, fqn: str, offset: tuple) -> None:
+    from ckpt_core.dcp_io import read_metadata
+
+    md = read_metadata(str(ckpt))
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn and tuple(k.offset) == offset)
+    path = Path(ckpt, os.path.basename(str(info.relative_path)))
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01  # inside the shard's values: its checksum fails
+    path.write_bytes(bytes(data))
+
+
+def test_at_4_ranks_one_ranks_damaged_shard_makes_every_rank_fall_back_and_refuse_a_mixed_state(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_sharded_worker, args=(4, free_port(), str(tmp_path / "run"), str(tmp_path)), nprocs=4, join=True)
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, f in enumerate(facts):
+        assert f["auto"] == 10 and f["exact"], (rank, f)
+        assert f["explicit"] and f.get("refused") and f["again"] == 10 and f["saved"], (rank, f)
+    # the ranks whose own shards were intact had loaded step 20 into their live shards before the fallback
+    assert [f["wrote_20"] for f in facts if f is not facts[2]] == [True, True, True], facts
+    assert (tmp_path / "run" / "step_000000030" / "manifest.json").exists()
