@@ -790,7 +790,27 @@ def summarize(cycles: list, args: argparse.Namespace) -> dict:
         **{k: C.median([c.get(k) for c in ok]) for k in FIGURES},
         "busy_steps": sum(c.get("busy_steps") or 0 for c in ok),
         "snapshots": sum(c.get("snapshots") or 0 for c in ok),
+        "read_goals": read_goals(ok),
     }
+
+
+def read_goals(cycles: list) -> list[dict]:
+    """The read path's goals over the cycles, each a ratio of totals with its bootstrap 95 % CI: the cold read's
+    time over the load's (at least 0.8x) and the verify's over the load's (at most 15 %)."""
+    import numpy as np
+
+    goals = []
+    for goal, pairs, limit, higher in (
+            ("load >= 0.8x a cold sequential read of the same bytes (read time / load time)",
+             [(c.get("cold_read_s"), c["phases"]["load"]) for c in cycles], 0.8, True),
+            ("verify <= 15 % of the load (verify time / load time)",
+             [(c["phases"]["verify"], c["phases"]["load"]) for c in cycles], 0.15, False)):
+        rows = [r for r in pairs if None not in r]
+        ci = C.bootstrap_ci(rows, C.ratio_of_sums) if rows else None
+        value = C.ratio_of_sums(np.asarray(rows, dtype=float)) if rows else None
+        goals.append({"goal": goal, "value": value, "ci": None if ci is None else list(ci), "limit": limit,
+                      "n": len(rows), "status": C.goal_status(ci, limit, higher_is_better=higher)})
+    return goals
 
 
 def compare(cycles: list, args: argparse.Namespace) -> tuple[dict, list]:
@@ -885,6 +905,9 @@ def print_limits(s: dict) -> None:
               f"{C.fmt(s.get('load_vs_fresh'), '.2f')}x it")
     print(f"verify {C.fmt(verify, '.3f')}s = {C.fmt(None if s['verify_vs_load'] is None else 100 * s['verify_vs_load'], '.0f')}% "
           f"of the load (goal <= 15%); fingerprints {C.fmt(s['fingerprint_s'], '.3f')}s of it")
+    for g in s.get("read_goals", []):
+        print(f"goal: {g['goal']}: {C.fmt(g['value'], '.3f')} {fmt_ci(g['ci'], '.3f')} over {g['n']} cycles: "
+              f"{g['status']}")
 
 
 def fmt_ci(ci: Optional[list], spec: str = ".2f", scale: float = 1.0) -> str:

@@ -649,6 +649,7 @@ class CheckpointManager:
         snapshot = self._local.recover(state, durable)
         if snapshot is None:
             return None
+        overwritten.clear(state.live_objects())  # a whole snapshot was applied and checked
         self._local.after_restore(snapshot.step)
         rec = CheckpointRecord(step=snapshot.step, path=self._local.job_dir, committed=True,
                                world_size=snapshot.world_size, epoch=snapshot.epoch, wall_time=snapshot.wall_time)

@@ -204,7 +204,7 @@ class Restorer:
         reader, manifest, template, wanted = self._prepare_load(rec, state)
         reader.region_sums = fp.RegionSums(_summed_here(_tensors(template), self._group.rank))
         if self.settings.restore_in_place:
-            overwritten.mark(state.live_objects(), f"the restore of step {rec.step} from {rec.path}")
+            overwritten.mark(state.live_objects(), _restoring(rec))
         try:
             dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
         except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
@@ -243,7 +243,7 @@ class Restorer:
     def _load_and_apply(self, rec: CheckpointInfo, state: TrainState) -> None:
         manifest, template, wanted, loaded, summed = self._load(rec, state)
         t0 = time.monotonic()
-        overwritten.mark(state.live_objects(), f"the restore of step {rec.step} from {rec.path}")
+        overwritten.mark(state.live_objects(), _restoring(rec))
         state.apply(template, wanted, manifest.world_size, weights_only=self._weights_only)
         t1 = time.monotonic()
         after = _tensors(state._model_optim())
@@ -293,6 +293,10 @@ def _unmoved(summed: dict, loaded: dict, after: dict) -> dict:
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.device, a.dtype, tuple(a.shape), a.stride(), a.data_ptr()) == \
         (b.device, b.dtype, tuple(b.shape), b.stride(), b.data_ptr())
+
+
+def _restoring(rec: CheckpointInfo) -> str:
+    return f"the restore of step {rec.step} from {rec.path}"
 
 
 def _left_over(state: TrainState) -> str:

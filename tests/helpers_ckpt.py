@@ -159,6 +159,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sharded_model_factory(rank: int, world: int, port: int, rows: int, cols: int, length: int) -> Any:
+    """Join a gloo group of ``world`` on ``port`` as ``rank``; a function of a seed giving a module with a matrix
+    ``w`` (``rows`` x ``cols``) and a vector ``v`` (``length``), both DTensors sharded by rows over the ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model(seed: int) -> nn.Module:
+        g = torch.Generator().manual_seed(seed)
+        m = nn.Module()
+        m.w = nn.Parameter(distribute_tensor(torch.randn(rows, cols, generator=g), mesh, [Shard(0)]))
+        m.v = nn.Parameter(distribute_tensor(torch.randn(length, generator=g), mesh, [Shard(0)]))
+        return m
+
+    return model
+
+
 def _fsdp_worker(rank: int, world_size: int, port: int, root: str, step: int, full_out: str, seed: int) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

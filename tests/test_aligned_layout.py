@@ -136,17 +136,23 @@ def _counting(monkeypatch) -> dict[str, list[int]]:
     return counts
 
 
-def test_an_aligned_checkpoint_is_read_straight_into_aligned_fresh_buffers(tmp_path, small_aligned, monkeypatch):
-    """Loading into fresh buffers (``restore_in_place=False``), all whole blocks of each large region go
-    straight into the load buffer; only each region's last partial block passes through the bounce buffer."""
+def _read_counted(tmp_path: Path, monkeypatch, **settings) -> tuple[dict, list[int]]:
+    """Save ``Odd`` and restore it exactly (``settings`` for the restoring manager), counting the direct reads:
+    ``(the reads' lengths by kind, the large regions' sizes, sorted)``."""
     root = tmp_path / "run"
     model = Odd(scale=SCALE)
     weights = save_distinct(root, TrainState(model=model), model, (10,))[10]
     counts = _counting(monkeypatch)
-    restored, step, said = _restore(root, direct=True, scale=SCALE, restore_in_place=False)
+    restored, step, said = _restore(root, direct=True, scale=SCALE, **settings)
     assert (step, said) == (10, "")
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights.items())
-    regions = [weights[k].numel() * weights[k].element_size() for k in LARGE]
+    return counts, sorted(weights[k].numel() * weights[k].element_size() for k in LARGE)
+
+
+def test_an_aligned_checkpoint_is_read_straight_into_aligned_fresh_buffers(tmp_path, small_aligned, monkeypatch):
+    """Loading into fresh buffers (``restore_in_place=False``), all whole blocks of each large region go
+    straight into the load buffer; only each region's last partial block passes through the bounce buffer."""
+    counts, regions = _read_counted(tmp_path, monkeypatch, restore_in_place=False)
     assert sorted(counts["straight"]) == sorted(r // BLOCK * BLOCK for r in regions), (counts, regions)
     assert sorted(counts["bounced"]) == sorted(r % BLOCK for r in regions), (counts, regions)
 
@@ -154,14 +160,7 @@ def test_an_aligned_checkpoint_is_read_straight_into_aligned_fresh_buffers(tmp_p
 def test_an_aligned_checkpoint_is_read_directly_into_the_live_tensors(tmp_path, small_aligned, monkeypatch):
     """Loading in place (the default), every byte of each large region is read directly into the live tensor
     (through the bounce buffer where the tensor does not lie on a block boundary), exactly once."""
-    root = tmp_path / "run"
-    model = Odd(scale=SCALE)
-    weights = save_distinct(root, TrainState(model=model), model, (10,))[10]
-    counts = _counting(monkeypatch)
-    restored, step, said = _restore(root, direct=True, scale=SCALE)
-    assert (step, said) == (10, "")
-    assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights.items())
-    regions = [weights[k].numel() * weights[k].element_size() for k in LARGE]
+    counts, regions = _read_counted(tmp_path, monkeypatch)
     assert sum(counts["straight"]) + sum(counts["bounced"]) == sum(regions), (counts, regions)
 
 
@@ -169,14 +168,7 @@ def test_a_packed_checkpoint_is_read_through_the_bounce_buffer_exactly(tmp_path,
     """A checkpoint of a version that packed its items: every region is read directly, none straight."""
     monkeypatch.setattr(dcp_io, "ALIGN_MIN", 1 << 30)
     monkeypatch.setattr(inplace_read, "ENVELOPE", 4096)  # packed: storage bytes start in the first block
-    root = tmp_path / "run"
-    model = Odd(scale=SCALE)
-    weights = save_distinct(root, TrainState(model=model), model, (10,))[10]
-    counts = _counting(monkeypatch)
-    restored, step, said = _restore(root, direct=True, scale=SCALE)
-    assert (step, said) == (10, "")
-    assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights.items())
-    regions = sorted(weights[k].numel() * weights[k].element_size() for k in LARGE)
+    counts, regions = _read_counted(tmp_path, monkeypatch, restore_in_place=False)
     assert counts["straight"] == []
     assert [n for n in sorted(counts["bounced"]) if n in regions] == regions, (counts, regions)
 
@@ -253,3 +245,28 @@ def test_aligned_empty_like_keeps_shape_dtype_and_strides_and_aligns_large_tenso
 ])
 def test_a_rank_aligns_its_files_only_when_the_padding_stays_under_one_percent(sizes, expected):
     assert dcp_io.aligns(sizes) is expected
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_reads_fingerprint_sums_cover_every_read_path(tmp_path, small_aligned, monkeypatch, in_place):
+    """Through the straight reads (fresh aligned buffers) or the bounce buffer (the live tensors): no tensor is
+    summed again after the load, the restore is exact, and a value changed on storage is caught by the read's
+    sums alone (no checksums)."""
+    from test_restore_in_place import _summing
+
+    root = tmp_path / "run"
+    model = Odd(scale=SCALE)
+    weights = save_distinct(root, TrainState(model=model), model, (10, 20))
+    passes = _summing(monkeypatch)
+    restored, step, said = _restore(root, direct=True, scale=SCALE, restore_in_place=in_place)
+    assert (step, said) == (20, "")
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[20].items())
+    assert passes[0] == set()
+    ckpt = step_path(root, 20)
+    name = _items(ckpt)["model.c"][0]
+    flip_byte(ckpt, name, _data_offsets(ckpt, weights[20])["c"] + 8 * 1000 + 7)  # sign and exponent of one float64
+    passes.clear()
+    restored, step, said = _restore(root, direct=True, scale=SCALE, restore_in_place=in_place, verify="none")
+    assert step == 10 and "model.c: sum" in said, said
+    assert passes[0] == set()
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[10].items())

@@ -146,3 +146,17 @@ def test_a_goal_passes_only_when_the_whole_interval_meets_it():
     assert goal_status((0.7, 0.9), 0.8, higher_is_better=True) == "OPEN"
     assert goal_status((0.5, 0.7), 0.8, higher_is_better=True) == "MISS"
     assert goal_status(None, 0.5) == "n/a"
+
+
+def test_the_read_goals_are_ratios_of_totals_over_the_cycles_with_their_status():
+    """benchmarks.recovery: the cold read's time over the load's (>= 0.8x) and the verify's over the load's
+    (<= 15 %), totals over the cycles; a cycle without a cold read counts in the verify goal only."""
+    from benchmarks.recovery import read_goals
+
+    cycles = [{"cold_read_s": r, "phases": {"load": load, "verify": v}}
+              for r, load, v in ((0.9, 1.0, 0.01), (1.1, 1.0, 0.02), (1.0, 1.0, 0.03), (None, 2.0, 0.5))]
+    read, verify = read_goals(cycles)
+    assert (read["n"], verify["n"]) == (3, 4)
+    assert read["value"] == pytest.approx(3.0 / 3.0) and read["status"] == "PASS"
+    assert verify["value"] == pytest.approx(0.56 / 5.0) and verify["status"] == "OPEN"  # the slow cycle: 25 %
+    assert read_goals(cycles[:1])[0]["status"] == "n/a"  # one cycle: no interval

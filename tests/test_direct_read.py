@@ -24,7 +24,7 @@ from torch import nn
 import hostile
 from ckpt_core import TrainState, inplace_read
 from ckpt_core.dcp_io import DATA_SUFFIX
-from helpers_ckpt import flip_byte, restore_warned, save_distinct, step_path
+from helpers_ckpt import flip_byte, restore_warned, save_distinct, sharded_model_factory, step_path
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
@@ -260,22 +260,10 @@ def _sharded_worker(rank: int, world: int, port: int, root: str, out: str) -> No
     """Save a model of DTensor shards of 1.5 MiB (one uneven), restore it into a fresh one: the facts (the
 bytes read by ``_read_direct``, and of those, by ``_read_straight`` with no copy)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     from ckpt_core import CheckpointManager
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-
-    def model(seed: int) -> nn.Module:
-        g = torch.Generator().manual_seed(seed)
-        m = nn.Module()
-        m.w = nn.Parameter(distribute_tensor(torch.randn(1024, 1536, generator=g), mesh, [Shard(0)]))
-        m.v = nn.Parameter(distribute_tensor(torch.randn(1_500_007, generator=g), mesh, [Shard(0)]))
-        return m
-
+    model = sharded_model_factory(rank, world, port, 1024, 1536, 1_500_007)
     saved = model(0)
     from ckpt_core import dcp_io
 

@@ -27,7 +27,7 @@ import hostile
 from ckpt_core import CheckpointManager, OverwrittenStateError, RestoreError, TrainState, fingerprint as fp
 from ckpt_core import inplace_read
 from ckpt_core.restorer import Restorer
-from helpers_ckpt import assert_same_tree, restore_warned, step_path
+from helpers_ckpt import assert_same_tree, restore_warned, sharded_model_factory, step_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -356,20 +356,8 @@ def test_a_restore_in_place_adds_a_fraction_of_the_memory_a_restore_into_fresh_b
 def _sharded_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     """DTensor shards at 4 ranks: a newest checkpoint damaged in rank 2's shard only; facts per rank."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-
-    def model(seed: int) -> nn.Module:
-        g = torch.Generator().manual_seed(seed)
-        m = nn.Module()
-        m.w = nn.Parameter(distribute_tensor(torch.randn(64, 96, generator=g), mesh, [Shard(0)]))
-        m.v = nn.Parameter(distribute_tensor(torch.randn(1001, generator=g), mesh, [Shard(0)]))
-        return m
-
+    model = sharded_model_factory(rank, world, port, 64, 96, 1001)
     kw = dict(async_mode="off", handle_preemption=False, collective_timeout_s=60)
     saved, shards = model(0), {}
     with CheckpointManager(root, **kw) as m:
