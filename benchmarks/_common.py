@@ -422,11 +422,26 @@ class RssMeter:
         self._stop.set()
         self._thread.join(timeout=2)
 
-    def result(self, state_bytes: int) -> dict:
-        """Peak RSS above the baseline, also as a ratio to ``state_bytes``; phase marks in MiB."""
+    def added_after(self, name: str) -> Optional[int]:
+        """The peak RSS after the mark ``name`` above the RSS at that mark (what the phases after it added), or
+        None without that mark."""
+        at = next((i for i, p in enumerate(self.phases) if p["phase"] == name), None)
+        if at is None:
+            return None
+        with self._lock:
+            running = self._phase_peak - self.baseline  # the peak since the last mark
+        later = [p["peak"] for p in self.phases[at + 1 :]] + [self.phases[at]["rss"], running]
+        return max(later) - self.phases[at]["rss"]
+
+    def result(self, state_bytes: int, after: Optional[str] = None) -> dict:
+        """Peak RSS above the baseline, also as a ratio to ``state_bytes``; phase marks in MiB; with ``after``, what
+        the phases after that mark added (``added_after``), and as a ratio."""
         peak = self.peak - self.baseline
         maxrss = maxrss_bytes() - self.baseline
+        added = None if after is None else self.added_after(after)
         return {
+            "added_after": added,
+            "added_after_ratio": added / state_bytes if added is not None and state_bytes else None,
             "state_bytes": state_bytes,
             "baseline_rss": self.baseline,
             "peak_rss_added": peak,

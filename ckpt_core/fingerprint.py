@@ -8,7 +8,7 @@ a load that silently went wrong. Non-finite sums mark a state unhealthy.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -218,61 +218,3 @@ def global_entries(flat: Mapping[str, object], group: Optional[object] = None, w
     dist.all_reduce(buf, group=group)
     return {k: (float(buf[i, 0]), float(buf[i, 1]), int(round(float(buf[i, 2])))) for i, k in enumerate(keys)}
 
-
-MAX_REGIONS = 256
-"""Regions of one tensor at most for ``tiled_entry`` (its check is quadratic); more: the tensor is summed whole."""
-
-Region = tuple[tuple[int, ...], tuple[int, ...], Optional[Entry]]
-"""(offsets, lengths, entry) of a region read into a tensor; no entry: it was not summed."""
-
-
-def tiled_entry(shape: Sequence[int], regions: Sequence[Region]) -> Optional[Entry]:
-    """The entry of a tensor of ``shape`` added up from the entries of its regions, when they tile it exactly.
-
-    Exactly: every region summed, inside the tensor and holding as many
-    elements as its entry counts, no two overlapping, together as many
-    elements as the tensor has. Otherwise None (the tensor is summed whole):
-    a part no region covers, or one read twice, would escape the sums.
-    """
-    total = math.prod(shape)
-    if len(regions) > MAX_REGIONS or sum(math.prod(lengths) for _, lengths, _ in regions) != total:
-        return None
-    boxes = []
-    for offsets, lengths, entry in regions:
-        if entry is None or len(offsets) != len(shape) or len(lengths) != len(shape) \
-                or entry[2] != math.prod(lengths):
-            return None
-        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
-            return None
-        if math.prod(lengths):
-            boxes.append((offsets, lengths))
-    for i, (o1, n1) in enumerate(boxes):
-        for o2, n2 in boxes[i + 1 :]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2)):
-                return None
-    return combine({"t": entry} for _, _, entry in regions)["t"] if regions else (0.0, 0.0, 0)
-
-
-class RegionSums:
-    """Entries of the regions read into the tensors named ``wanted``, summed by the read as each region's item
-    was checked (``inplace_read``), while the other regions are still being read."""
-
-    def __init__(self, wanted: Iterable[str]) -> None:
-        self.wanted = frozenset(wanted)
-        self.regions: dict[str, list[Region]] = {}
-
-    def add(self, fqn: str, offsets: Sequence[int], lengths: Sequence[int], entry: Optional[Entry]) -> None:
-        """A region of tensor ``fqn`` was loaded: summed (``entry``), or by a path that does not sum (None)."""
-        if fqn in self.wanted:
-            self.regions.setdefault(fqn, []).append((tuple(offsets), tuple(lengths), entry))
-
-    def known(self, local: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
-        """Entries of the tensors of ``local`` (fqn -> the tensor its regions were read into) whose regions tile
-        them (``tiled_entry``)."""
-        out = {}
-        for fqn, regions in self.regions.items():
-            tensor = local.get(fqn)
-            entry = None if tensor is None else tiled_entry(tuple(tensor.shape), regions)
-            if entry is not None:
-                out[fqn] = entry
-        return out

@@ -44,11 +44,7 @@ A failed check fails the load, naming the file. The bytes of a corrupt item
 may be in its load target by then: a restore into the live tensors falls
 back to a checkpoint that overwrites them, or leaves them marked as partly
 overwritten (``overwritten``); exports and ``restore_in_place=False`` load
-into fresh buffers and drop them. With the reader's ``region_sums``
-(``fingerprint.RegionSums``), each region of a named tensor is fingerprinted
-by its reading thread once its item is checked, while the other threads
-read on, so the restore's fingerprint needs no pass of its own over what was
-read here. Items this does not handle (byte items, items with stream
+into fresh buffers and drop them. Items this does not handle (byte items, items with stream
 transforms, targets that are not contiguous CPU tensors, saved tensors that
 are not contiguous or have another dtype or byte order, regions that are not
 one contiguous byte range, archives that do not parse) are left to DCP's own
@@ -76,7 +72,6 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from . import fingerprint as fp
 from .direct_io import BLOCK, give_buffer, open_direct_read, take_buffer
 from .direct_io import READ_CHUNK as DIRECT_CHUNK
 
@@ -135,8 +130,6 @@ class _Target:
     ``.metadata`` describes (confirmed from the item's pickle once the item is checked)."""
     start: int = 0
     """Where the region's bytes start in the item."""
-    entry: Optional[fp.Entry] = None
-    """The region's fingerprint entry, when it was summed after its item was checked (``fp.RegionSums``)."""
 
     @property
     def nbytes(self) -> int:
@@ -167,23 +160,17 @@ def read_in_place(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan
     verifier = getattr(reader, "verifier", None)
     whole = SCRATCH if getattr(reader, "_buffer_items", False) else WHOLE_ITEM  # object stores: fewer requests
     direct = bool(getattr(reader, "direct_io", False))
-    sums: Optional[fp.RegionSums] = getattr(reader, "region_sums", None)
     stop = threading.Event()
 
     def one_part(job: tuple[str, list[_Item]]) -> tuple[list[_Target], list[ReadItem]]:
         path = reader.fs.concat_path(reader.path, job[0])
         with _open_source(reader.fs.create_stream(path, "rb"), os.fspath(path) if direct else None) as source:
-            return _read_file(source, job[1], verifier, whole, stop, sums.wanted if sums else frozenset())
+            return _read_file(source, job[1], verifier, whole, stop)
 
     for done, left in _run_all(one_part, _parts(files), stop):
         for target in done:
             planner.commit_tensor(target.req, target.tensor)
-            if sums is not None:
-                sums.add(target.req.dest_index.fqn, target.req.dest_offsets, target.req.lengths, target.entry)
         rest.extend(left)
-    if sums is not None:
-        for req in rest:  # loaded by DCP's path, not summed: their tensors are summed whole
-            sums.add(req.dest_index.fqn, req.dest_offsets, req.lengths, None)
     return dataclasses.replace(plan, items=rest)
 
 
@@ -346,20 +333,16 @@ def _open_source(stream_cm: Any, direct_path: Optional[str]) -> Iterator[_Source
             source.close()
 
 
-def _read_file(source: _Source, items: list[_Item], verifier: Any, whole: int, stop: threading.Event,
-               summed: frozenset = frozenset()) -> tuple[list[_Target], list[ReadItem]]:
+def _read_file(source: _Source, items: list[_Item], verifier: Any, whole: int,
+               stop: threading.Event) -> tuple[list[_Target], list[ReadItem]]:
     """Read a run of items of one file (those up to ``whole`` bytes in one read); returns the targets filled
-    and the requests left to DCP. The targets of tensors named in ``summed`` are fingerprinted once their
-    item is checked, beside the reads of the other threads."""
+    and the requests left to DCP."""
     done: list[_Target] = []
     left: list[ReadItem] = []
     for item in items:
         if stop.is_set():
             raise _Stopped()
         if _read_item(source, item, verifier, whole, stop):
-            for target in item.targets:
-                if target.req.dest_index.fqn in summed:
-                    target.entry = fp.tensor_entry(target.tensor)
             done.extend(item.targets)
         else:
             left.extend(t.req for t in item.targets)

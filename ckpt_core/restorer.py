@@ -11,10 +11,8 @@ which overwrites whatever the failed attempt loaded. The model and optimizers
 stay marked as partly overwritten (``overwritten``) from the first write into
 them until a whole checkpoint is in.
 
-The fingerprint of the loaded tensors is summed by the read itself, region by
-region as each item is checked (``fp.RegionSums``); tensors whose regions do
-not tile them are summed after the load. After the apply, a tensor that is
-still the memory it was loaded into keeps its entry; the others are summed
+After the apply, a tensor that is still the memory it was loaded into keeps
+the fingerprint entry it was given after the load; the others are summed
 again.
 """
 
@@ -202,7 +200,6 @@ class Restorer:
         t0 = time.monotonic()
         self.timings["fingerprint"] = 0.0
         reader, manifest, template, wanted = self._prepare_load(rec, state)
-        reader.region_sums = fp.RegionSums(_summed_here(_tensors(template), self._group.rank))
         if self.settings.restore_in_place:
             overwritten.mark(state.live_objects(), _restoring(rec))
         try:
@@ -215,8 +212,7 @@ class Restorer:
         t1 = time.monotonic()
         self.timings["load"] = t1 - t0
         flat, summed = _tensors(template), {}
-        diffs = fp.compare(self._expected(manifest), self._fingerprint(flat, reader.region_sums.known(_local(flat)),
-                                                                       summed))
+        diffs = fp.compare(self._expected(manifest), self._fingerprint(flat, {}, summed))
         if diffs:
             raise Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
         try:
@@ -272,14 +268,6 @@ def _local(flat: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-
-
-def _summed_here(flat: dict, rank: int) -> set:
-    """The tensors of ``flat`` whose sums this rank contributes to the fingerprint (``fp.local_entries``)."""
-    from torch.distributed.tensor import DTensor
-
-    return {k for k, v in flat.items() if fp.is_fingerprinted(k) and isinstance(v, torch.Tensor)
-            and (rank == 0 or isinstance(v, DTensor))}
 
 
 def _unmoved(summed: dict, loaded: dict, after: dict) -> dict:

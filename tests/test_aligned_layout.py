@@ -248,25 +248,16 @@ def test_a_rank_aligns_its_files_only_when_the_padding_stays_under_one_percent(s
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_the_reads_fingerprint_sums_cover_every_read_path(tmp_path, small_aligned, monkeypatch, in_place):
-    """Through the straight reads (fresh aligned buffers) or the bounce buffer (the live tensors): no tensor is
-    summed again after the load, the restore is exact, and a value changed on storage is caught by the read's
-    sums alone (no checksums)."""
-    from test_restore_in_place import _summing
-
+def test_a_value_changed_on_storage_is_caught_through_every_read_path(tmp_path, small_aligned, in_place):
+    """Through the straight reads (fresh aligned buffers) or the bounce buffer (the live tensors), without
+    checksums: the fingerprint of what was loaded catches a changed float64, and the restore falls back to the
+    intact checkpoint exactly."""
     root = tmp_path / "run"
     model = Odd(scale=SCALE)
     weights = save_distinct(root, TrainState(model=model), model, (10, 20))
-    passes = _summing(monkeypatch)
-    restored, step, said = _restore(root, direct=True, scale=SCALE, restore_in_place=in_place)
-    assert (step, said) == (20, "")
-    assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[20].items())
-    assert passes[0] == set()
     ckpt = step_path(root, 20)
     name = _items(ckpt)["model.c"][0]
     flip_byte(ckpt, name, _data_offsets(ckpt, weights[20])["c"] + 8 * 1000 + 7)  # sign and exponent of one float64
-    passes.clear()
     restored, step, said = _restore(root, direct=True, scale=SCALE, restore_in_place=in_place, verify="none")
     assert step == 10 and "model.c: sum" in said, said
-    assert passes[0] == set()
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in weights[10].items())

@@ -4,9 +4,8 @@ No second copy of the state is made; a load that fails half-way is
 overwritten by the older checkpoint the restore falls back to; a state that
 no checkpoint could replace is marked, and saving it is refused until a
 restore succeeds. With ``restore_in_place=False`` the load goes into fresh
-buffers and a failed restore leaves the live state as it was. The
-fingerprint a restore checks is summed by the read, region by region, and
-after the apply only tensors that moved are summed again.
+buffers and a failed restore leaves the live state as it was. After the
+apply, only the tensors that moved are fingerprinted again.
 """
 
 from __future__ import annotations
@@ -20,12 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import hostile
 from ckpt_core import CheckpointManager, OverwrittenStateError, RestoreError, TrainState, fingerprint as fp
-from ckpt_core import inplace_read
 from ckpt_core.restorer import Restorer
 from helpers_ckpt import assert_same_tree, restore_warned, sharded_model_factory, step_path
 
@@ -213,7 +210,7 @@ def test_with_restore_in_place_off_a_failed_restore_leaves_the_live_state_as_it_
 
 # ------------------------------------------------------------------- fingerprint
 def _summing(monkeypatch) -> list[set]:
-    """The tensors each fingerprint pass sums itself (not taken from the read's region sums or kept)."""
+    """The tensors each fingerprint pass sums (not kept from the pass before)."""
     passes: list[set] = []
     real = fp._entries
 
@@ -226,92 +223,31 @@ def _summing(monkeypatch) -> list[set]:
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_the_restores_fingerprint_comes_from_the_read_and_only_moved_tensors_are_summed_again(
-        tmp_path, monkeypatch, in_place):
+def test_after_the_apply_only_the_tensors_that_moved_are_summed_again(tmp_path, monkeypatch, in_place):
     saved = _save(tmp_path / "run", (10,))
     model, opt, state = _fresh()
     passes = _summing(monkeypatch)
     info, _ = restore_warned(tmp_path / "run", state, restore_in_place=in_place)
     assert info.step == 10
     _equals(model, opt, saved[10])
-    assert passes[0] == set()  # after the load: every tensor was summed by the read
+    loaded = {f"model.{k}" for k in model.state_dict()} | {
+        f"optim.state.{k}.{s}" for k in dict(model.named_parameters()) for s in ("exp_avg", "exp_avg_sq", "step")}
+    assert passes[0] == loaded  # after the load: everything that was loaded
     if in_place:
         assert passes[1] == set()  # after the apply: every tensor is still where it was loaded
     else:  # the model's fresh buffers were copied into the parameters: summed again there; the optimizer kept its
         assert passes[1] == {f"model.{k}" for k in model.state_dict()}
 
 
-def test_a_value_changed_on_storage_is_caught_by_the_sums_the_read_takes(tmp_path, monkeypatch):
-    """Without checksums (``verify="none"``), the fingerprint alone catches a changed weight; the read's
-    region sums are what it compares."""
+def test_a_value_changed_on_storage_is_caught_by_the_fingerprint_of_the_live_tensors(tmp_path):
+    """Without checksums (``verify="none"``), the fingerprint alone catches a changed weight, loaded into the live
+    tensor; the restore falls back to the intact checkpoint, which overwrites it."""
     saved = _save(tmp_path / "run", (10, 20))
     _change_value(step_path(tmp_path / "run", 20), saved[20][0]["6.weight"])
     model, opt, state = _fresh()
-    passes = _summing(monkeypatch)
     info, said = restore_warned(tmp_path / "run", state, verify="none")
     assert info.step == 10 and "step 20" in said and "model.6.weight: sum" in said, said
-    assert passes[0] == set()  # step 20's mismatch came from the read's sums
     _equals(model, opt, saved[10])
-
-
-def test_a_tensor_partly_loaded_by_dcps_own_path_is_summed_whole(tmp_path, monkeypatch):
-    saved = _save(tmp_path / "run", (10,))
-    ckpt = step_path(tmp_path / "run", 10)
-    name, offset, _ = hostile.item_of(Path(ckpt), "model.3.weight")
-    real = inplace_read._read_item
-
-    def not_this_one(stream, item, *args):
-        return False if (item.name, item.offset) == (name, offset) else real(stream, item, *args)
-
-    monkeypatch.setattr(inplace_read, "_read_item", not_this_one)
-    model, opt, state = _fresh()
-    passes = _summing(monkeypatch)
-    info, _ = restore_warned(tmp_path / "run", state)
-    assert info.step == 10
-    _equals(model, opt, saved[10])
-    assert passes == [{"model.3.weight"}, set()]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 5), min_size=0, max_size=3), st.data())
-def test_region_sums_add_up_only_when_the_regions_tile_the_tensor(shape, data):
-    """Regions made by cutting a tensor along its dimensions add up to its entry; a region missing, repeated,
-    shifted or not summed makes the sum unusable (the tensor is then summed whole)."""
-    shape = tuple(shape)
-    boxes = [((0,) * len(shape), shape)]
-    for _ in range(data.draw(st.integers(0, 4))):
-        i = data.draw(st.integers(0, len(boxes) - 1))
-        offsets, lengths = boxes[i]
-        cuttable = [d for d, n in enumerate(lengths) if n > 1]
-        if not cuttable:
-            continue
-        d = data.draw(st.sampled_from(cuttable))
-        at = data.draw(st.integers(1, lengths[d] - 1))
-        first = (offsets, lengths[:d] + (at,) + lengths[d + 1:])
-        second = (offsets[:d] + (offsets[d] + at,) + offsets[d + 1:], lengths[:d] + (lengths[d] - at,) + lengths[d + 1:])
-        boxes[i:i + 1] = [first, second]
-    tensor = torch.arange(1, 1 + max(1, torch.Size(shape).numel()), dtype=torch.float64)[:torch.Size(shape).numel()]
-    tensor = tensor.reshape(shape)
-
-    def region(offsets, lengths):
-        view = tensor
-        for d, (o, n) in enumerate(zip(offsets, lengths)):
-            view = view.narrow(d, o, n)
-        return (offsets, lengths, fp.tensor_entry(view))
-
-    regions = [region(o, n) for o, n in boxes]
-    whole = fp.tensor_entry(tensor)
-    got = fp.tiled_entry(shape, regions)
-    assert got is not None and got[2] == whole[2] and abs(got[0] - whole[0]) <= 1e-9 * max(1.0, whole[1])
-    if len(regions) > 1:
-        assert fp.tiled_entry(shape, regions[1:]) is None  # a part read by no region
-        assert fp.tiled_entry(shape, regions[:1] + regions[:-1]) is None  # one read twice
-    if regions and tensor.numel():
-        assert fp.tiled_entry(shape, [(*regions[0][:2], None), *regions[1:]]) is None  # not summed
-        offsets, lengths, entry = regions[0]
-        if shape and lengths[0] < shape[0]:
-            moved = (offsets[0] + 1,) + offsets[1:] if offsets[0] + lengths[0] < shape[0] else (offsets[0] - 1,) + offsets[1:]
-            assert fp.tiled_entry(shape, [(moved, lengths, entry), *regions[1:]]) is None  # overlaps another
 
 
 # --------------------------------------------------------------------- memory
