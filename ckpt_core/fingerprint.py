@@ -32,8 +32,8 @@ sums are added in float64."""
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
-def tensor_entry(t: torch.Tensor) -> Entry:
-    """(sum, sum of |x|, numel) of ``t``; CPU floating tensors in cache-sized blocks on one thread.
+def tensor_entry(t: torch.Tensor, intra_op: bool = False) -> Entry:
+    """(sum, sum of |x|, numel) of ``t``; CPU floating tensors in cache-sized blocks.
 
     A float32 block of 2^18 elements is laid out as 64 rows of 4096 and
     summed down its columns in float32 (vector adds across a row, 64 values
@@ -42,16 +42,25 @@ def tensor_entry(t: torch.Tensor) -> Entry:
     of CPU per GiB, against 0.12 s for pairwise row sums and 0.39 s for a
     float64 pass (2-core x86-64, one thread, data in memory). A column sum
     that overflows float32 is recomputed in float64, so a sum is non-finite
-    only when a value is, as with a float64 pass.
+    only when a value is, as with a float64 pass. That runs in numpy, on the
+    calling thread only: a background save does not fight training for every
+    core (torch's intra-op threads stall on a busy machine).
+
+    ``intra_op``: for a restore, where nothing else runs: each block summed
+    by torch (cascade sums in float32, float64 for float64 tensors) on its
+    intra-op threads, the blocks added in float64 (``_torch_sums``): 1 GiB in
+    0.10 s against 0.21 s on the 2-core machine of docs/benchmarks.md.
     """
     if t.numel() == 0:
         return (0.0, 0.0, 0)
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.detach().reshape(-1)
-    if flat.device.type == "cpu" and (flat.dtype in _NUMPY_DTYPES or flat.dtype == torch.bfloat16):
-        # numpy reduces on one thread: a background save does not fight training for every core
-        # (torch's intra-op threads stall on a busy machine).
+    floating = flat.dtype in _NUMPY_DTYPES or flat.dtype == torch.bfloat16
+    if flat.device.type == "cpu" and floating and intra_op:
+        s, sa = _torch_sums(flat.resolve_neg())
+        return (s, sa, int(t.numel()))
+    if flat.device.type == "cpu" and floating:
         if flat.dtype == torch.bfloat16:
             a = flat.resolve_neg().view(torch.int16).numpy().view(np.uint16)
         else:
@@ -67,6 +76,23 @@ def tensor_entry(t: torch.Tensor) -> Entry:
         acc[1] += b.abs_().sum()
     s, sa = acc.tolist()
     return (s, sa, int(t.numel()))
+
+
+def _torch_sums(flat: torch.Tensor) -> tuple[float, float]:
+    """(sum, sum of |x|) of a flat CPU floating tensor: blocks of ``_CHUNK`` summed by torch in float32 (float64
+    for float64), added in float64; a block whose float32 sums overflow while its values are finite is summed
+    again in float64, as ``_block_sum`` does."""
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    buf = torch.empty(min(flat.numel(), _CHUNK), dtype=flat.dtype)
+    s = sa = 0.0
+    for chunk in flat.split(_CHUNK):
+        absolute = torch.abs(chunk, out=buf[: chunk.numel()])
+        cs, ca = float(chunk.sum(dtype=wide)), float(absolute.sum(dtype=wide))
+        if not (math.isfinite(cs) and math.isfinite(ca)) and bool(torch.isfinite(chunk).all()):
+            cs, ca = float(chunk.sum(dtype=torch.float64)), float(absolute.sum(dtype=torch.float64))
+        s += cs
+        sa += ca
+    return s, sa
 
 
 def _numpy_sums(a: np.ndarray) -> tuple[float, float]:
@@ -151,17 +177,18 @@ def compare(expected: Mapping[str, Entry], actual: Mapping[str, Entry], rtol: fl
     return problems
 
 
-def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1, known: Optional[Mapping[str, Entry]] = None,
-                  summed: Optional[dict[str, Entry]] = None) -> dict[str, Entry]:
+def local_entries(flat: Mapping[str, object], rank: int, intra_op: bool = False,
+                  known: Optional[Mapping[str, Entry]] = None, summed: Optional[dict[str, Entry]] = None
+                  ) -> dict[str, Entry]:
     """This rank's contribution to the fingerprint of a flattened state dict.
 
     DTensor shards contribute their local part (divided among replicas);
-    plain tensors are replicated, so only rank 0 contributes them. With
-    ``workers`` > 1 the tensors are summed on that many threads (numpy
-    releases the GIL): for a restore, when no training shares the cores.
-    ``known``: entries of local tensors (a DTensor's local shard) already
-    summed, taken instead of summing them again; ``summed`` receives the entry
-    of every local tensor that contributed, summed or known.
+    plain tensors are replicated, so only rank 0 contributes them.
+    ``intra_op``: sum with torch on its intra-op threads (``tensor_entry``):
+    for a restore, when no training shares the cores. ``known``: entries of
+    local tensors (a DTensor's local shard) already summed, taken instead of
+    summing them again; ``summed`` receives the entry of every local tensor
+    that contributed, summed or known.
     """
     from torch.distributed.tensor import DTensor
 
@@ -182,7 +209,7 @@ def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1, known
             out[fqn] = (0.0, 0.0, 0)
     known = known or {}
     done = [(fqn, known[fqn], jobs[fqn][1]) for fqn in jobs if fqn in known]
-    done += _entries({fqn: job for fqn, job in jobs.items() if fqn not in known}, workers)
+    done += _entries({fqn: job for fqn, job in jobs.items() if fqn not in known}, intra_op)
     for fqn, (s, a, n), replicas in done:
         if summed is not None:
             summed[fqn] = (s, a, n)
@@ -190,27 +217,21 @@ def local_entries(flat: Mapping[str, object], rank: int, workers: int = 1, known
     return out
 
 
-def _entries(jobs: Mapping[str, tuple[torch.Tensor, int]], workers: int) -> list:
-    """``(fqn, tensor_entry, replicas)`` of every job, on ``workers`` threads when more than one."""
-    if workers <= 1 or len(jobs) <= 1:
-        return [(fqn, tensor_entry(t), r) for fqn, (t, r) in jobs.items()]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-fingerprint") as pool:
-        entries = list(pool.map(lambda job: tensor_entry(job[0]), jobs.values()))
-    return [(fqn, e, r) for (fqn, (_, r)), e in zip(jobs.items(), entries)]
+def _entries(jobs: Mapping[str, tuple[torch.Tensor, int]], intra_op: bool) -> list:
+    """``(fqn, tensor_entry, replicas)`` of every job."""
+    return [(fqn, tensor_entry(t, intra_op), r) for fqn, (t, r) in jobs.items()]
 
 
-def global_entries(flat: Mapping[str, object], group: Optional[object] = None, workers: int = 1,
+def global_entries(flat: Mapping[str, object], group: Optional[object] = None, intra_op: bool = False,
                    known: Optional[Mapping[str, Entry]] = None, summed: Optional[dict[str, Entry]] = None
                    ) -> dict[str, Entry]:
     """Fingerprint of the full logical state, all-reduced over ``group`` when distributed (``local_entries``'s
-    ``workers``, ``known`` and ``summed``)."""
+    ``intra_op``, ``known`` and ``summed``)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
-    local = local_entries(flat, rank, workers, known, summed)
+    local = local_entries(flat, rank, intra_op, known, summed)
     if not distributed or dist.get_world_size(group) == 1:
         return local
     keys = sorted(local)

@@ -19,7 +19,6 @@ again.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from typing import Any, Optional
@@ -227,7 +226,7 @@ class Restorer:
         up in ``timings["fingerprint"]``, part of verify."""
         t0 = time.monotonic()
         try:
-            return fp.global_entries(flat, self._pg, _RESTORE_FINGERPRINT_WORKERS, known, summed)
+            return fp.global_entries(flat, self._pg, True, known, summed)  # no training shares the cores
         finally:
             self.timings["fingerprint"] += time.monotonic() - t0
 
@@ -249,10 +248,6 @@ class Restorer:
             raise RestoreError(
                 f"after restoring step {rec.step} the model/optimizer state differs from what was saved: "
                 + "; ".join(diffs[:5]))
-
-
-_RESTORE_FINGERPRINT_WORKERS = min(8, os.cpu_count() or 1)
-"""Threads that sum the restored tensors: training does not run during a restore, so every core helps."""
 
 
 def _tensors(tree: dict) -> dict:

@@ -51,13 +51,15 @@ def _float64_entry(t: torch.Tensor) -> tuple[float, float, int]:
     return (float(x.sum()), float(x.abs().sum()), x.numel())
 
 
+@pytest.mark.parametrize("intra_op", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, (1 << 18) + 4099, 3 * (1 << 18)])
-def test_fingerprint_block_sums_match_a_float64_pass(dtype, n):
-    """Rows summed in float32, blocks in float64: within 1e-7 of the sum of |x| of a float64 pass (compare's
-    tolerance is 1e-6), for every dtype and lengths around the row (4096) and block (2^18) boundaries."""
+def test_fingerprint_block_sums_match_a_float64_pass(dtype, n, intra_op):
+    """Rows (numpy) or blocks (torch, ``intra_op``) summed in float32, blocks added in float64: within 1e-7 of the
+    sum of |x| of a float64 pass (compare's tolerance is 1e-6), for every dtype and lengths around the row (4096)
+    and block (2^18) boundaries."""
     t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
-    s, a, count = fp.tensor_entry(t)
+    s, a, count = fp.tensor_entry(t, intra_op)
     s64, a64, n64 = _float64_entry(t)
     assert count == n64 == n
     assert abs(s - s64) <= 1e-7 * a64 and abs(a - a64) <= 1e-7 * a64
@@ -70,26 +72,28 @@ def test_fingerprint_of_a_split_tensor_matches_the_whole_within_compare_toleranc
     assert fp.compare({"model.w": fp.tensor_entry(t)}, parts, rtol=1e-7) == []
 
 
+@pytest.mark.parametrize("intra_op", [False, True])
 @pytest.mark.parametrize("n", [8192, 1 << 18, (1 << 18) + 5])
-def test_fingerprint_stays_finite_where_float32_column_sums_overflow(n):
+def test_fingerprint_stays_finite_where_float32_column_sums_overflow(n, intra_op):
     """64 values of 1e37 overflow a float32 column sum (float32 ends at 3.4e38); the block is summed again in
     float64, so the state is healthy (finite) exactly when a float64 pass says so."""
     t = torch.full((n,), 1e37)
-    s, a, _ = fp.tensor_entry(t)
+    s, a, _ = fp.tensor_entry(t, intra_op)
     assert math.isfinite(s) and math.isclose(s, n * 1e37, rel_tol=1e-6) and math.isclose(a, s)
     t[5] = float("inf")
-    assert fp.tensor_entry(t)[0] == float("inf")
+    assert fp.tensor_entry(t, intra_op)[0] == float("inf")
 
 
-def test_fingerprint_on_threads_equals_the_serial_one():
-    """A restore sums tensors on several threads: the same entries, bit for bit; rank 1 contributes replicated
-    tensors as zeros either way."""
+def test_the_restores_fingerprint_on_torchs_threads_compares_equal_to_the_saves():
+    """A restore sums with torch on its intra-op threads, a save with numpy on one thread: within 1e-7 of the
+    sum of |x| of each other (compare's tolerance is 1e-6); rank 1 contributes replicated tensors as zeros
+    either way."""
     g = torch.Generator().manual_seed(3)
     flat = {f"model.p{i}": torch.randn(1000 + 4099 * i, generator=g) for i in range(6)}
     flat.update({"optim.step": torch.tensor(7.0), "ranks.0": torch.ones(3)})
-    assert fp.local_entries(flat, 0, workers=3) == fp.local_entries(flat, 0, workers=1)
-    assert fp.local_entries(flat, 1, workers=3) == fp.local_entries(flat, 1) == {k: (0.0, 0.0, 0) for k in flat
-                                                                                 if k != "ranks.0"}
+    assert fp.compare(fp.local_entries(flat, 0, intra_op=True), fp.local_entries(flat, 0), rtol=1e-7) == []
+    assert fp.local_entries(flat, 1, intra_op=True) == fp.local_entries(flat, 1) == {
+        k: (0.0, 0.0, 0) for k in flat if k != "ranks.0"}
 
 
 def test_nonfinite_state_is_unhealthy_but_compares_equal_to_itself():
