@@ -238,4 +238,3 @@ def global_entries(flat: Mapping[str, object], group: Optional[object] = None, i
     buf = torch.tensor([[*local[k]] for k in keys], dtype=torch.float64).reshape(len(keys), 3)
     dist.all_reduce(buf, group=group)
     return {k: (float(buf[i, 0]), float(buf[i, 1]), int(round(float(buf[i, 2])))) for i, k in enumerate(keys)}
-

@@ -31,9 +31,9 @@ the page cache with ``O_DIRECT``. A save written with ``O_DIRECT`` starts
 each large tensor's bytes at a block boundary of its file
 (``dcp_io._save_config``) and a restore into fresh buffers loads into
 block-aligned ones (``aligned_empty_like``), so the whole blocks of a region
-are read straight into the target in 64 MiB reads, their CRC32C taken on the target right
-after each read; only a region's first and last partial blocks pass through
-the thread's page-aligned 4 MiB buffer. Regions of files written packed (an
+are read straight into the target in 64 MiB reads, their CRC32C taken on the
+target right after each read; only a region's first and last partial blocks
+pass through the thread's page-aligned 4 MiB buffer. Regions of files written packed (an
 older version, buffered writes) or targets not aligned like their file go
 through that buffer, checked there and copied into the target. A buffered
 read of a cold file costs a page-cache page per 4 KiB and a kernel copy
@@ -44,11 +44,12 @@ A failed check fails the load, naming the file. The bytes of a corrupt item
 may be in its load target by then: a restore into the live tensors falls
 back to a checkpoint that overwrites them, or leaves them marked as partly
 overwritten (``overwritten``); exports and ``restore_in_place=False`` load
-into fresh buffers and drop them. Items this does not handle (byte items, items with stream
-transforms, targets that are not contiguous CPU tensors, saved tensors that
-are not contiguous or have another dtype or byte order, regions that are not
-one contiguous byte range, archives that do not parse) are left to DCP's own
-path, where the reader's ``_slice_file`` checks each before it is read.
+into fresh buffers and drop them. Items this does not handle (byte items,
+items with stream transforms, targets that are not contiguous CPU tensors,
+saved tensors that are not contiguous or have another dtype or byte order,
+regions that are not one contiguous byte range, archives that do not parse)
+are left to DCP's own path, where the reader's ``_slice_file`` checks each
+before it is read.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class Restorer:
         up in ``timings["fingerprint"]``, part of verify."""
         t0 = time.monotonic()
         try:
-            return fp.global_entries(flat, self._pg, True, known, summed)  # no training shares the cores
+            return fp.global_entries(flat, self._pg, intra_op=True, known=known, summed=summed)  # no training runs
         finally:
             self.timings["fingerprint"] += time.monotonic() - t0
 
