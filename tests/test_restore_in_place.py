@@ -80,7 +80,7 @@ def _change_value(ckpt: str, value: torch.Tensor) -> None:
     raw = value.numpy().tobytes()
     shard = next(f for f in sorted(Path(ckpt).glob("*.distcp")) if raw in f.read_bytes())
     data = bytearray(shard.read_bytes())
-    data[data.find(raw) + 403] ^= 0x40  # the top bit of the exponent of one value: about 1e37 times it
+    data[data.find(raw) + 403] ^= 0x40  # the top bit of one value's exponent: 2^128 times it
     shard.write_bytes(bytes(data))
 
 
@@ -115,11 +115,11 @@ def test_a_restore_loads_into_the_live_tensors_or_into_fresh_buffers(tmp_path, m
     _equals(model, opt, saved[10])
     loaded = [t.untyped_storage().data_ptr() for t in _tensors({k: targets[0][k] for k in ("model", "optim")})]
     assert len(loaded) == 16 + 32 + 16  # weights and biases; AdamW's exp_avg, exp_avg_sq and step of each
-    floats = [p for p in loaded if p in live]
+    shared = [p for p in loaded if p in live]
     if in_place:
-        assert len(floats) == len(loaded)
+        assert len(shared) == len(loaded)
     else:
-        assert floats == []
+        assert shared == []
 
 
 def _tensors(tree) -> list[torch.Tensor]:
