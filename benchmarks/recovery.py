@@ -49,8 +49,8 @@ Each variant of a cycle:
    creation, the restore's phases, then the first step. A durable restore's
    phases are ``CheckpointManager.last_restore_timings`` (discover = listing +
    choosing + validating, load = DCP load into the live tensors (``--load
-   fresh``: into fresh buffers) with the read's fingerprint sums, apply =
-   set_state_dict etc., verify = fingerprints and checks). A local restore sets no
+   fresh``: into fresh buffers), apply = set_state_dict etc., verify =
+   fingerprints and checks). A local restore sets no
    timings, so the worker wraps the local tier's methods (in its own process;
    ``ckpt_core`` is not changed): discover = the durable tier's listing + the
    scan and agreement, load = read (or receive) + CRC32C + fresh buffers, apply,
