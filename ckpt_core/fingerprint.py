@@ -183,17 +183,32 @@ def local_entries(flat: Mapping[str, object], rank: int, intra_op: bool = False,
     """This rank's contribution to the fingerprint of a flattened state dict.
 
     DTensor shards contribute their local part (divided among replicas);
-    plain tensors are replicated, so only rank 0 contributes them.
-    ``intra_op``: sum with torch on its intra-op threads (``tensor_entry``):
-    for a restore, when no training shares the cores. ``known``: entries of
-    local tensors (a DTensor's local shard) already summed, taken instead of
-    summing them again; ``summed`` receives the entry of every local tensor
-    that contributed, summed or known.
+    plain tensors are replicated, so only rank 0 contributes them
+    (``local_jobs``). ``intra_op``: sum with torch on its intra-op threads
+    (``tensor_entry``): for a restore, when no training shares the cores.
+    ``known``: entries of local tensors (a DTensor's local shard) already
+    summed, taken instead of summing them again; ``summed`` receives the
+    entry of every local tensor that contributed, summed or known.
     """
+    jobs = local_jobs(flat, rank)
+    out: dict[str, Entry] = {fqn: (0.0, 0.0, 0) for fqn, value in flat.items()
+                             if is_fingerprinted(fqn) and isinstance(value, torch.Tensor) and fqn not in jobs}
+    known = known or {}
+    done = [(fqn, known[fqn], jobs[fqn][1]) for fqn in jobs if fqn in known]
+    done += _entries({fqn: job for fqn, job in jobs.items() if fqn not in known}, intra_op)
+    for fqn, (s, a, n), replicas in done:
+        if summed is not None:
+            summed[fqn] = (s, a, n)
+        out[fqn] = (s / replicas, a / replicas, n / replicas) if replicas > 1 else (s, a, n)  # type: ignore
+    return out
+
+
+def local_jobs(flat: Mapping[str, object], rank: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """What this rank sums of a flattened state dict: name -> (the local tensor, its number of replicas).
+    A DTensor's local shard on every rank; a plain tensor (replicated) on rank 0 only."""
     from torch.distributed.tensor import DTensor
 
     jobs: dict[str, tuple[torch.Tensor, int]] = {}
-    out: dict[str, Entry] = {}
     for fqn, value in flat.items():
         if not is_fingerprinted(fqn) or not isinstance(value, torch.Tensor):
             continue
@@ -205,16 +220,14 @@ def local_entries(flat: Mapping[str, object], rank: int, intra_op: bool = False,
             jobs[fqn] = (value.to_local(), replicas)
         elif rank == 0:
             jobs[fqn] = (value, 1)
-        else:
-            out[fqn] = (0.0, 0.0, 0)
-    known = known or {}
-    done = [(fqn, known[fqn], jobs[fqn][1]) for fqn in jobs if fqn in known]
-    done += _entries({fqn: job for fqn, job in jobs.items() if fqn not in known}, intra_op)
-    for fqn, (s, a, n), replicas in done:
-        if summed is not None:
-            summed[fqn] = (s, a, n)
-        out[fqn] = (s / replicas, a / replicas, n / replicas) if replicas > 1 else (s, a, n)  # type: ignore
-    return out
+    return jobs
+
+
+def group_rank(group: Optional[object] = None) -> int:
+    """This process's rank in ``group`` (0 when not distributed), as ``global_entries`` counts it."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _entries(jobs: Mapping[str, tuple[torch.Tensor, int]], intra_op: bool) -> list:
@@ -230,8 +243,7 @@ def global_entries(flat: Mapping[str, object], group: Optional[object] = None, i
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
-    local = local_entries(flat, rank, intra_op, known, summed)
+    local = local_entries(flat, group_rank(group), intra_op, known, summed)
     if not distributed or dist.get_world_size(group) == 1:
         return local
     keys = sorted(local)

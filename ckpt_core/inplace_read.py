@@ -92,6 +92,9 @@ READ_THREADS = 8
 """Reads side by side at most: the files, and parts of a file when there are fewer files than threads."""
 DIRECT_MIN = 1 << 20
 """Regions of at least this many bytes are read directly (``O_DIRECT``) where the file system allows it."""
+PIECE = 16 << 20
+"""Bytes of a region read before the load's early fingerprint (``EarlySums``) hears of them: the sums left
+when the reads end are at most one piece per reading thread."""
 PART_MIN = 64 << 20
 """A file is cut into parts (runs of whole items, each read by its own thread) of at least this many bytes."""
 Spans = list[tuple[int, memoryview]]
@@ -162,11 +165,14 @@ def read_in_place(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan
     whole = SCRATCH if getattr(reader, "_buffer_items", False) else WHOLE_ITEM  # object stores: fewer requests
     direct = bool(getattr(reader, "direct_io", False))
     stop = threading.Event()
+    sums = getattr(reader, "early_sums", None)
+    if sums is not None:
+        sums.expect(req.dest_index.fqn for req in plan.items)
 
     def one_part(job: tuple[str, list[_Item]]) -> tuple[list[_Target], list[ReadItem]]:
         path = reader.fs.concat_path(reader.path, job[0])
         with _open_source(reader.fs.create_stream(path, "rb"), os.fspath(path) if direct else None) as source:
-            return _read_file(source, job[1], verifier, whole, stop)
+            return _read_file(source, job[1], verifier, whole, stop, sums)
 
     for done, left in _run_all(one_part, _parts(files), stop):
         for target in done:
@@ -335,23 +341,26 @@ def _open_source(stream_cm: Any, direct_path: Optional[str]) -> Iterator[_Source
 
 
 def _read_file(source: _Source, items: list[_Item], verifier: Any, whole: int,
-               stop: threading.Event) -> tuple[list[_Target], list[ReadItem]]:
+               stop: threading.Event, sums: Any = None) -> tuple[list[_Target], list[ReadItem]]:
     """Read a run of items of one file (those up to ``whole`` bytes in one read); returns the targets filled
-    and the requests left to DCP."""
+    and the requests left to DCP. Each item filled and checked is reported to ``sums`` (``EarlySums``)."""
     done: list[_Target] = []
     left: list[ReadItem] = []
     for item in items:
         if stop.is_set():
             raise _Stopped()
-        if _read_item(source, item, verifier, whole, stop):
+        if _read_item(source, item, verifier, whole, stop, sums):
             done.extend(item.targets)
+            if sums is not None:
+                sums.filled((t.req.dest_index.fqn, t.tensor) for t in item.targets)
         else:
             left.extend(t.req for t in item.targets)
     return done, left
 
 
-def _read_item(stream: Any, item: _Item, verifier: Any, whole: int, stop: threading.Event) -> bool:
-    """Fill the targets of ``item`` and check it; False to leave it to DCP (whose path checks it first)."""
+def _read_item(stream: Any, item: _Item, verifier: Any, whole: int, stop: threading.Event, sums: Any = None) -> bool:
+    """Fill the targets of ``item`` and check it; False to leave it to DCP (whose path checks it first).
+    ``sums`` (``EarlySums``) hears of each piece of a large item's regions as it lands."""
     if verifier is not None and verifier.manifest.version < 2:
         verifier.verify_item(stream, item.name, item.offset, item.length)  # no item checksums: the whole file, once
         verifier = None
@@ -362,7 +371,7 @@ def _read_item(stream: Any, item: _Item, verifier: Any, whole: int, stop: thread
         if item.length <= max(whole, 2 * ENVELOPE):
             ok = _read_whole(item, _read_at(stream, item, 0, item.length), digest)
         else:
-            ok = _read_large(stream, item, _read_at(stream, item, 0, ENVELOPE), digest, stop)
+            ok = _read_large(stream, item, _read_at(stream, item, 0, ENVELOPE), digest, stop, sums)
     except _Short:
         return False  # the file ends inside the item: DCP's path reports it
     return ok
@@ -433,7 +442,8 @@ def _disjoint(targets: list[_Target]) -> bool:
     return all(a.start + a.nbytes <= b.start for a, b in zip(targets, targets[1:]))
 
 
-def _read_large(stream: Any, item: _Item, head: memoryview, digest: _Digest, stop: threading.Event) -> bool:
+def _read_large(stream: Any, item: _Item, head: memoryview, digest: _Digest, stop: threading.Event,
+                sums: Any = None) -> bool:
     """A large item whose first bytes are ``head``: regions into their targets where the storage record's
     local header and ``.metadata`` say, checked, then confirmed from its pickle (False: they disagree, or it
     does not parse; DCP's path reads it)."""
@@ -444,7 +454,7 @@ def _read_large(stream: Any, item: _Item, head: memoryview, digest: _Digest, sto
         target.start = data_start + target.guess
     if not _disjoint(item.targets) or item.targets[-1].start + item.targets[-1].nbytes > item.length:
         return False
-    checked = _fill(stream, item, [(0, head)], digest, stop)
+    checked = _fill(stream, item, [(0, head)], digest, stop, sums)
     digest.check(item)
     expected = {id(t): t.start for t in item.targets}
     return _place(_Sparse(item.length, checked), item.targets) and all(
@@ -468,17 +478,22 @@ def _data_start(head: memoryview) -> Optional[int]:
     return None
 
 
-def _fill(stream: Any, item: _Item, head: Spans, digest: _Digest, stop: threading.Event) -> Spans:
-    """Read ``item`` front to back: each target's region into the target, the rest from ``head`` or through
-    a scratch buffer, every byte into ``digest``. Returns the bytes in memory that went into it: those of
-    ``head`` and of the targets, and the item's last ``ENVELOPE`` bytes."""
+def _fill(stream: Any, item: _Item, head: Spans, digest: _Digest, stop: threading.Event, sums: Any = None) -> Spans:
+    """Read ``item`` front to back: each target's region into the target (each ``PIECE`` reported to ``sums``
+    as it lands), the rest from ``head`` or through a scratch buffer, every byte into ``digest``. Returns the
+    bytes in memory that went into it: those of ``head`` and of the targets, and the item's last ``ENVELOPE``
+    bytes."""
     checked: Spans = []
     scratch: list[memoryview] = []
     pos = 0
     for target in item.targets:
         _pass_over(stream, item, head, pos, target.start, digest, scratch, checked)
         dest = memoryview(target.tensor.reshape(-1).view(torch.uint8).numpy())
-        _read_range(stream, item, target.start, dest, digest, stop)
+        step = PIECE if sums is not None else max(len(dest), 1)
+        for at in range(0, len(dest), step):
+            _read_range(stream, item, target.start + at, dest[at : at + step], digest, stop)
+            if sums is not None:
+                sums.read(target.req.dest_index.fqn, target.tensor, min(at + step, len(dest)))
         checked.append((target.start, dest))
         pos = target.start + target.nbytes
     _pass_over(stream, item, head, pos, item.length, digest, scratch, checked)

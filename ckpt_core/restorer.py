@@ -11,6 +11,8 @@ which overwrites whatever the failed attempt loaded. The model and optimizers
 stay marked as partly overwritten (``overwritten``) from the first write into
 them until a whole checkpoint is in.
 
+The fingerprint of the loaded tensors is summed while the load reads
+(``early_sums``); after the load only what that could not sum is summed.
 After the apply, a tensor that is still the memory it was loaded into keeps
 the fingerprint entry it was given after the load; the others are summed
 again.
@@ -32,6 +34,7 @@ from .collectives import RankGroup, first_problem
 from .config import CheckpointSettings
 from .dcp_io import SafeLoadPlanner, make_reader
 from .discovery import choose_for_restore, list_records, read_manifest, record_at, validate
+from .early_sums import EarlySums
 from .errors import RestoreError, describe, is_fatal, release_frames
 from .manifest import Manifest, ManifestError
 from .rank_loss import is_collective_failure
@@ -55,6 +58,7 @@ class Restorer:
         self.timings: dict[str, float] = {}
         self.fallbacks = 0  # checkpoints skipped at the last restore (rank 0 also counts those passed over unread)
         self.loading: Optional[int] = None  # the step of the checkpoint being read (error messages)
+        self.summed_early = 0  # local tensors of the last load summed while it read (``early_sums``)
         self._weights_only = False
         self._signing_key = signing.settings_key(settings)
 
@@ -197,21 +201,23 @@ class Restorer:
         """Load ``rec`` and check it; the manifest, the loaded template, the ranks wanted, the loaded model and
         optimizer tensors (flat) and the local entries of their fingerprint."""
         t0 = time.monotonic()
-        self.timings["fingerprint"] = 0.0
         reader, manifest, template, wanted = self._prepare_load(rec, state)
         if self.settings.restore_in_place:
             overwritten.mark(state.live_objects(), _restoring(rec))
+        targets = _tensors(template)
+        reader.early_sums = early = EarlySums(
+            {k: t for k, (t, _) in fp.local_jobs(targets, fp.group_rank(self._pg)).items()})
         try:
-            dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
-        except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
-            if is_fatal(e) or is_collective_failure(e):
-                raise
-            release_frames(e)  # the fallback must not keep this attempt's buffers and groups alive
-            raise Unloadable(f"loading failed: {describe(e)}") from e
-        t1 = time.monotonic()
-        self.timings["load"] = t1 - t0
-        flat, summed = _tensors(template), {}
-        diffs = fp.compare(self._expected(manifest), self._fingerprint(flat, {}, summed))
+            self._read(template, reader)
+            t1 = time.monotonic()
+            self.timings["load"] = t1 - t0
+            flat, summed = _tensors(template), {}
+            known = _unmoved(early.entries(), targets, flat)  # waits for the sums still running
+            self.timings["fingerprint"] = time.monotonic() - t1
+            self.summed_early = len(known)
+            diffs = fp.compare(self._expected(manifest), self._fingerprint(flat, known, summed))
+        finally:
+            early.close()
         if diffs:
             raise Unloadable("loaded tensors do not match the saved fingerprint: " + "; ".join(diffs[:5]))
         try:
@@ -220,6 +226,16 @@ class Restorer:
             raise Unloadable(str(e)) from None
         self.timings["verify"] = time.monotonic() - t1
         return manifest, template, wanted, flat, summed
+
+    def _read(self, template: dict, reader: Any) -> None:
+        """``dcp.load`` into ``template``; a failure that an older checkpoint might not have is ``Unloadable``."""
+        try:
+            dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg)
+        except BaseException as e:  # noqa: BLE001 - any load failure means: fall back
+            if is_fatal(e) or is_collective_failure(e):
+                raise
+            release_frames(e)  # the fallback must not keep this attempt's buffers and groups alive
+            raise Unloadable(f"loading failed: {describe(e)}") from e
 
     def _fingerprint(self, flat: dict, known: dict, summed: Optional[dict] = None) -> dict:
         """The fingerprint of ``flat`` (all ranks; ``fp.global_entries``'s ``known`` and ``summed``); its time adds

@@ -23,6 +23,7 @@ from torch import nn
 
 import hostile
 from ckpt_core import CheckpointManager, OverwrittenStateError, RestoreError, TrainState, fingerprint as fp
+from ckpt_core.early_sums import EarlySums
 from ckpt_core.restorer import Restorer
 from helpers_ckpt import assert_same_tree, restore_warned, sharded_model_factory, step_path
 
@@ -209,34 +210,71 @@ def test_with_restore_in_place_off_a_failed_restore_leaves_the_live_state_as_it_
 
 
 # ------------------------------------------------------------------- fingerprint
-def _summing(monkeypatch) -> list[set]:
-    """The tensors each fingerprint pass sums (not kept from the pass before)."""
+def _summing(monkeypatch) -> tuple[list[set], list[set]]:
+    """The tensors each fingerprint pass sums (not kept from the pass before), and those each load summed while
+    it read (``EarlySums``)."""
     passes: list[set] = []
-    real = fp._entries
+    early: list[set] = []
+    real, real_entries = fp._entries, EarlySums.entries
 
     def recording(jobs, workers):
         passes.append(set(jobs))
         return real(jobs, workers)
 
+    def recording_early(self):
+        out = real_entries(self)
+        early.append(set(out))
+        return out
+
     monkeypatch.setattr(fp, "_entries", recording)
-    return passes
+    monkeypatch.setattr(EarlySums, "entries", recording_early)
+    return passes, early
 
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_after_the_apply_only_the_tensors_that_moved_are_summed_again(tmp_path, monkeypatch, in_place):
     saved = _save(tmp_path / "run", (10,))
     model, opt, state = _fresh()
-    passes = _summing(monkeypatch)
+    passes, early = _summing(monkeypatch)
     info, _ = restore_warned(tmp_path / "run", state, restore_in_place=in_place)
     assert info.step == 10
     _equals(model, opt, saved[10])
     loaded = {f"model.{k}" for k in model.state_dict()} | {
         f"optim.state.{k}.{s}" for k in dict(model.named_parameters()) for s in ("exp_avg", "exp_avg_sq", "step")}
-    assert passes[0] == loaded  # after the load: everything that was loaded
+    assert early == [loaded]  # while the load read: every tensor, each once its bytes were in and checked
+    assert passes[0] == set()  # after the load: nothing left
     if in_place:
         assert passes[1] == set()  # after the apply: every tensor is still where it was loaded
     else:  # the model's fresh buffers were copied into the parameters: summed again there; the optimizer kept its
         assert passes[1] == {f"model.{k}" for k in model.state_dict()}
+
+
+class _Odd(nn.Module):
+    """Tied weights (one tensor under two names) and a transposed, non-contiguous weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.proj = nn.Parameter(torch.randn(24, 16).t())
+        self.norm = nn.LayerNorm(16)
+
+
+def test_tied_and_non_contiguous_tensors_are_summed_after_the_load(tmp_path, monkeypatch):
+    """A tensor that another name also writes into, or that DCP's own path fills, is summed once the load is
+    done; the rest while it reads."""
+    torch.manual_seed(0)
+    saved = _Odd()
+    with CheckpointManager(tmp_path / "run", async_mode="off", handle_preemption=False) as m:
+        m.save(10, TrainState(model=saved))
+    live = _Odd()
+    passes, early = _summing(monkeypatch)
+    with CheckpointManager(tmp_path / "run", async_mode="off", handle_preemption=False) as m:
+        assert m.restore(TrainState(model=live)).step == 10
+    assert_same_tree(live.state_dict(), saved.state_dict())
+    assert early == [{"model.norm.weight", "model.norm.bias"}]
+    assert passes[0] == {"model.embed.weight", "model.head.weight", "model.proj"}
 
 
 def test_a_value_changed_on_storage_is_caught_by_the_fingerprint_of_the_live_tensors(tmp_path):
@@ -330,6 +368,7 @@ def _sharded_worker(rank: int, world: int, port: int, root: str, out: str) -> No
         except OverwrittenStateError:
             facts["refused"] = True
         facts["again"] = m.restore(TrainState(model=live), step=10).step
+        facts["early"] = m._restorer.summed_early  # local shards summed while the load read
         facts["saved"] = m.save(30, TrainState(model=live))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(facts, f)
@@ -357,6 +396,7 @@ def test_at_4_ranks_one_ranks_damaged_shard_makes_every_rank_fall_back_and_refus
     for rank, f in enumerate(facts):
         assert f["auto"] == 10 and f["exact"], (rank, f)
         assert f["explicit"] and f.get("refused") and f["again"] == 10 and f["saved"], (rank, f)
+        assert f["early"] == 2, (rank, f)  # w and v: the fingerprint matched with the sums taken while reading
     # the ranks whose own shards were intact had loaded step 20 into their live shards before the fallback
     assert [f["wrote_20"] for f in facts if f is not facts[2]] == [True, True, True], facts
     assert (tmp_path / "run" / "step_000000030" / "manifest.json").exists()
