@@ -50,6 +50,7 @@ from .direct_io import BLOCK, open_direct
 from .inplace_read import read_in_place
 from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
+from .planner import placed_for_load
 from .safe_pickle import load_dcp_metadata
 from .signing import sha256_hex
 from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_name
@@ -651,7 +652,21 @@ def read_metadata(path: str, storage_options: Optional[Mapping[str, Any]] = None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values load with ``weights_only=True``."""
+    """DCP's default load planner, but non-tensor values load with ``weights_only=True`` and DTensor shards are
+    placed once per layout (``planner.placed_for_load``)."""
+
+    def create_local_plan(self) -> Any:
+        state_dict = self.state_dict
+        placed = placed_for_load(state_dict)
+        if not placed:
+            return super().create_local_plan()
+        substituted = {**state_dict, **placed}  # DCP's own checks and read items, over the places made here
+        self.state_dict = substituted
+        try:
+            return super().create_local_plan()
+        finally:
+            if self.state_dict is substituted:  # else DCP switched to a checkpoint's older key format (its own)
+                self.state_dict = state_dict
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

@@ -1,4 +1,4 @@
-"""The save planner's local step: DTensor shards placed once per layout, the plan identical to DCP's.
+"""The save and load planners' local step: DTensor shards placed once per layout, the plan identical to DCP's.
 
 DCP places each DTensor shard with ``compute_local_shape_and_global_offset``
 at every save (an int64 index as long as the shard along each sharded
@@ -6,6 +6,8 @@ dimension); ``LinearMergePlanner`` computes it once per layout and process and
 must plan exactly what DCP plans, at 4 ranks on 1-D and 2-D meshes, uneven and
 empty shards, two placements on one dimension, a mesh this rank is not in,
 a ``Parameter``, and plain tensors beside them; a ``Partial`` DTensor is refused as DCP refuses it.
+``SafeLoadPlanner`` plans the load of the same layouts as DCP's load planner does, without torch's placement,
+and loads them exactly.
 ``shard_place`` places ``Shard``/``Replicate`` layouts from integers alone, as
 torch places them (hypothesis, against torch's own function over explicit mesh
 coordinates), and leaves other placements to torch.
@@ -104,12 +106,62 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         facts["dcp_computed"] = len(dcp_calls)  # DCP's own placement, at every save, is not used
         facts["indexed"] = len(indexed)
         facts["partial"] = _partial_refusals(rank)
+        facts.update(_load_facts(out, dcp_calls))
     finally:
         ours.compute_local_shape_and_global_offset, ours.shard_place = real, real_place
         dcp_helpers.compute_local_shape_and_global_offset = dcp_real
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(facts, f)
     dist.destroy_process_group()
+
+
+def _load_facts(out: str, dcp_calls: list) -> dict:
+    """Save the layouts with DCP, plan their load with DCP's planner and with ``SafeLoadPlanner``, and load them
+    into zeros of the same layouts with ours (``dcp_calls`` counts torch's placement inside DCP)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.tensor import DTensor
+
+    from ckpt_core.dcp_io import SafeLoadPlanner
+
+    path = os.path.join(out, "ckpt")
+    saved = _layouts()
+    dcp.save(saved, checkpoint_id=path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+
+    def load_plan(cls):
+        planner = cls()
+        planner.set_up_planner(_zeros(_layouts()), metadata, False)
+        return planner.create_local_plan()
+
+    expected = load_plan(DefaultLoadPlanner)
+    before = len(dcp_calls)
+    got = load_plan(SafeLoadPlanner)
+    template = _zeros(_layouts())
+    dcp.load(template, checkpoint_id=path, planner=SafeLoadPlanner())
+
+    def local(v):
+        return v.to_local() if isinstance(v, DTensor) else v
+
+    loaded = all(torch.equal(local(template[k]), local(v)) for k, v in saved.items() if isinstance(v, torch.Tensor))
+    return {"load_same_items": got.items == expected.items and len(got.items) > 0,
+            "load_dcp_computed": len(dcp_calls) - before, "loaded_exactly": loaded and template["step"] == 7}
+
+
+def _zeros(layouts: dict) -> dict:
+    import torch
+
+    out = {}
+    for k, v in layouts.items():
+        if isinstance(v, torch.Tensor):
+            with torch.no_grad():
+                z = v.detach().clone()
+                z.zero_()
+            out[k] = z
+        else:
+            out[k] = 0
+    return out
 
 
 def test_local_plan_is_dcps_with_each_layout_placed_once_at_4_ranks(tmp_path):
@@ -126,6 +178,8 @@ def test_local_plan_is_dcps_with_each_layout_placed_once_at_4_ranks(tmp_path):
         assert facts["computed_again"] == 0 and facts["dcp_computed"] == 0, (rank, facts)
         assert facts["indexed"] == 0, (rank, facts)  # every layout here is Shard/Replicate: placed from integers
         assert facts["items"] == 6 + in_half + 2, (rank, facts)  # and the plain tensor and the int
+        # the load plans its reads from the same places, without torch's index, and loads exactly
+        assert facts["load_same_items"] and facts["load_dcp_computed"] == 0 and facts["loaded_exactly"], (rank, facts)
         dcp_says, ours_says = facts["partial"]
         assert dcp_says is not None and "partial placements" in dcp_says and ours_says == dcp_says, facts
 
