@@ -111,9 +111,9 @@ class EarlySums:
             acc[0], acc[1], acc[2], acc[3] = acc[0] + s, acc[1] + sa, acc[2] + n, end * size
 
     def _close_region(self, name: str, region: torch.Tensor) -> None:
-        self._sum_region(region, region.numel() * region.element_size())
+        self._sum_region(region, _nbytes(region))
         s, sa, n, _ = self._regions.pop(id(region))
-        self._parts[name].append((region.data_ptr(), region.numel() * region.element_size(), (s, sa, n)))
+        self._parts[name].append((region.data_ptr(), _nbytes(region), (s, sa, n)))
         self._left[name] -= 1
         if self._left[name] == 0:
             self._done[name] = self._entry(name)
@@ -121,13 +121,17 @@ class EarlySums:
     def _entry(self, name: str) -> fp.Entry:
         """Tensor ``name``'s entry: its regions' sums where they tile it exactly, else the whole tensor summed."""
         tensor, parts = self._tensors[name], sorted(self._parts.pop(name), key=lambda p: p[0])
-        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        start, end = tensor.data_ptr(), tensor.data_ptr() + _nbytes(tensor)
         edges = [start] + [a + n for a, n, _ in parts]
         if any(a < start or a + n > end for a, n, _ in parts):
             raise ValueError(f"a region of {name} lies outside it")  # not loaded into it directly: no early sums
         if [a for a, _, _ in parts] != edges[:-1] or edges[-1] != end:
             return fp.tensor_entry(tensor)
         return fp.combine({name: e} for _, _, e in parts)[name]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _summable(t: Any) -> bool:
@@ -137,7 +141,7 @@ def _summable(t: Any) -> bool:
 
 def _overlapping(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     """The names of tensors whose bytes overlap another's."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k) for k, t in tensors.items())
+    spans = sorted((t.data_ptr(), t.data_ptr() + _nbytes(t), k) for k, t in tensors.items())
     out: set[str] = set()
     reach, owner = -1, ""
     for start, end, name in spans:

@@ -98,9 +98,9 @@ def shard_chunk(tensor: DTensor) -> tuple[torch.Size, torch.Size]:
 def dtensor_write_item(fqn: str, tensor: DTensor) -> Optional[WriteItem]:
     """The write item DCP plans for a DTensor over a plain local tensor, its place from ``shard_chunk``;
     None for what DCP plans another way (partial placements, a local tensor of another subclass)."""
-    local = tensor.to_local()
-    if type(local) is not torch.Tensor or any(p.is_partial() for p in tensor.placements):
+    if not _plain_shard(tensor):
         return None
+    local = tensor.to_local()
     sizes, offsets = shard_chunk(tensor)
     return WriteItem(
         index=MetadataIndex(fqn, offsets),
@@ -143,10 +143,15 @@ def placed_for_load(state_dict: dict) -> dict:
     local tensor, with no partial placement."""
     out: dict = {}
     for fqn, obj in state_dict.items():
-        if type(obj) is DTensor and obj.device_mesh.get_coordinate() is not None \
-                and type(obj.to_local()) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+        if type(obj) is DTensor and obj.device_mesh.get_coordinate() is not None and _plain_shard(obj):
             out[fqn] = _Placed(obj)
     return out
+
+
+def _plain_shard(tensor: DTensor) -> bool:
+    """Whether DCP plans ``tensor`` as one chunk over a plain local tensor (no partial placement, no other
+    local tensor subclass): the DTensors placed here; DCP plans (or refuses) the others itself."""
+    return type(tensor.to_local()) is torch.Tensor and not any(p.is_partial() for p in tensor.placements)
 
 
 class LinearMergePlanner(DefaultSavePlanner):
