@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any, Iterator, Mapping, Optional
 
 import crc32c
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -53,6 +54,7 @@ from .manifest import FileEntry, Manifest, build_manifest
 from .planner import placed_for_load
 from .safe_pickle import load_dcp_metadata
 from .signing import sha256_hex
+from .staged_crc import StagedCrcs
 from .sidecar import ItemKey, Sidecar, SidecarError, parse_sidecar, sidecar_name
 from .storage import DCP_METADATA_NAME, MANIFEST_NAME, get_fs, is_local, join, read_many, write_bytes_durable
 
@@ -108,9 +110,23 @@ def renice_threads(nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-def _write_then_crc(raw: Any, mv: memoryview, crc: int) -> tuple[Any, int]:
-    """``raw.write(mv)`` and the CRC32C ``crc`` extended over ``mv`` (a stream without ``write_crc``)."""
-    return raw.write(mv), crc32c.crc32c(mv, crc)
+def _write_then_crc(raw: Any, mv: memoryview, crc: Optional[int]) -> tuple[Any, Optional[int]]:
+    """``raw.write(mv)`` and the CRC32C ``crc`` extended over ``mv`` (a stream without ``write_crc``); no
+    CRC when ``crc`` is None."""
+    return raw.write(mv), (crc32c.crc32c(mv, crc) if crc is not None else None)
+
+
+STAGED_MIN = 1 << 20
+"""Writes of at least this many bytes may take their CRC32C from the fingerprint pass (``staged_crc``)."""
+
+
+def _staged_crc(owner: "_HashingFileSystem", mv: memoryview) -> Optional[int]:
+    """The CRC32C of ``mv`` from the save's fingerprint pass, where ``mv`` is exactly a staged tensor's bytes
+    and the pass took it (else None: the stream takes it)."""
+    crcs = owner.staged_crcs
+    if crcs is None or len(mv) < STAGED_MIN:
+        return None
+    return crcs.take((np.frombuffer(mv, dtype=np.uint8).ctypes.data, len(mv)))
 
 
 class _HashingStream(io.RawIOBase):
@@ -168,8 +184,13 @@ class _HashingStream(io.RawIOBase):
             self.sha256.update(mv)
         if self._seg_sha is not None:
             self._seg_sha.update(mv)
+        staged = _staged_crc(self._owner, mv)
         try:
-            n, self._seg_crc = self._write(mv, self._seg_crc)
+            if staged is None:
+                n, self._seg_crc = self._write(mv, self._seg_crc)
+            else:
+                n, _ = self._write(mv, None)
+                self._seg_crc = crc32c_combine(self._seg_crc, staged, len(mv))
         except Exception as e:
             # torch.save's zip writer replaces I/O errors by its own; keep the real cause
             self._owner.last_error = e
@@ -280,6 +301,8 @@ class _HashingFileSystem:
         """Whether a direct file is fsynced when closed (the writer's ``sync_files``)."""
         self.align = 0
         """Block size each item and each tensor's bytes start at in data files (0: packed; ``_save_config``)."""
+        self.staged_crcs: Optional[StagedCrcs] = None
+        """The CRC32Cs the running save's fingerprint pass takes of its staged tensors (``staged_crc``)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "inner" not in self.__dict__:
@@ -345,24 +368,43 @@ def with_retries(fn: Any, what: str, retries: int, backoff_s: float) -> Any:
     raise AssertionError("unreachable")
 
 
-def _start_fingerprint(plan: Any, planner: Any, sums: dict, errors: list) -> threading.Thread:
-    """Fingerprint the plan's tensors into ``sums`` on a thread of its own (an exception goes to ``errors``).
+def _crc_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Where a fingerprinted tensor's bytes lie, if the pass can take their CRC32C (``staged_crc``)."""
+    return (t.data_ptr(), t.numel() * t.element_size()) if fp.crc_fusable(t) else None
+
+
+def _start_fingerprint(plan: Any, planner: Any, sums: dict, errors: list
+                       ) -> tuple[threading.Thread, StagedCrcs]:
+    """Fingerprint the plan's tensors into ``sums`` on a thread of its own (an exception goes to ``errors``),
+    taking the CRC32Cs the writer will want on the way (the ``StagedCrcs`` returned).
 
     A read-only pass over the tensors being written: it runs beside the write
     (numpy releases the GIL) instead of before it, hidden behind the storage.
     """
+    jobs = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
+            if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn)]
+    # largest first, as DCP's writer threads take a rank's items: the pass stays ahead of the writers
+    keys = sorted(((fqn, t, _crc_key(t)) for fqn, t in jobs), key=lambda job: -job[1].nbytes)
+    crcs = StagedCrcs(key for _, _, key in keys if key is not None)
 
     def fingerprint() -> None:
         try:
-            sums.update(fp.combine(
-                {item.index.fqn: fp.tensor_entry(planner.resolve_data(item))} for item in plan.items
-                if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn)))
+            parts = []
+            for fqn, t, key in keys:
+                fused = key is not None and crcs.begin(key)
+                entry, crc = fp.entry_and_crc(t, crc=fused)
+                if fused:
+                    crcs.done(key, crc)
+                parts.append({fqn: entry})
+            sums.update(fp.combine(parts))
         except BaseException as e:  # noqa: BLE001 - re-raised on the writing thread
             errors.append(e)
+        finally:
+            crcs.close()
 
     thread = threading.Thread(target=fingerprint, name="ckpt-fingerprint", daemon=True)
     thread.start()
-    return thread
+    return thread, crcs
 
 
 def _item_bytes(item: Any) -> int:
@@ -393,7 +435,7 @@ class _CommitMixin:
             renice_threads(self._nice)
         sums: dict[str, fp.Entry] = {}
         fp_error: list[BaseException] = []
-        fp_thread = _start_fingerprint(plan, planner, sums, fp_error)
+        fp_thread, self.fs.staged_crcs = _start_fingerprint(plan, planner, sums, fp_error)
         if self.fs.direct:
             self.fs.align = BLOCK if aligns([_item_bytes(item) for item in plan.items]) else 0
 
@@ -422,6 +464,7 @@ class _CommitMixin:
                                self._backoff_s)
         finally:
             fp_thread.join()
+            self.fs.staged_crcs = None
         if fp_error:
             raise fp_error[0]
         part = Sidecar(
