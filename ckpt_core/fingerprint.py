@@ -62,11 +62,7 @@ def tensor_entry(t: torch.Tensor, intra_op: bool = False) -> Entry:
         s, sa = _torch_sums(flat.resolve_neg())
         return (s, sa, int(t.numel()))
     if flat.device.type == "cpu" and floating:
-        if flat.dtype == torch.bfloat16:
-            a = flat.resolve_neg().view(torch.int16).numpy().view(np.uint16)
-        else:
-            a = flat.resolve_neg().numpy()
-        s, sa = _numpy_sums(a)
+        s, sa = _numpy_sums(_numpy_view(flat.resolve_neg()))
         return (s, sa, int(t.numel()))
     buf_t = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float64, device=flat.device)
     acc = torch.zeros(2, dtype=torch.float64, device=flat.device)
@@ -98,9 +94,15 @@ def entry_and_crc(t: torch.Tensor, crc: bool = True) -> tuple[Entry, Optional[in
     """
     if not (crc and crc_fusable(t)):
         return tensor_entry(t), None
-    a = t.detach().view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.detach().numpy()
-    s, sa, c = _numpy_sums_crc(a.reshape(-1))
+    s, sa, c = _numpy_sums_crc(_numpy_view(t.detach().reshape(-1)))
     return (s, sa, int(t.numel())), c
+
+
+def _numpy_view(flat: torch.Tensor) -> np.ndarray:
+    """A flat CPU tensor of a dtype summed in numpy, as numpy sees it (bfloat16 as its uint16 bits)."""
+    if flat.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.numpy()
 
 
 def _torch_sums(flat: torch.Tensor) -> tuple[float, float]:
