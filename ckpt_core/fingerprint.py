@@ -57,7 +57,7 @@ def tensor_entry(t: torch.Tensor, intra_op: bool = False) -> Entry:
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.detach().reshape(-1)
-    floating = flat.dtype in _NUMPY_DTYPES or flat.dtype == torch.bfloat16
+    floating = _numpy_summed(flat.dtype)
     if flat.device.type == "cpu" and floating and intra_op:
         s, sa = _torch_sums(flat.resolve_neg())
         return (s, sa, int(t.numel()))
@@ -78,8 +78,7 @@ def tensor_entry(t: torch.Tensor, intra_op: bool = False) -> Entry:
 def crc_fusable(t: torch.Tensor) -> bool:
     """Whether ``entry_and_crc`` takes ``t``'s CRC32C while summing it: a non-empty contiguous CPU tensor of
     a dtype summed in numpy, whose summed bytes are its own (no pending negation or conjugation)."""
-    floating = t.dtype in _NUMPY_DTYPES or t.dtype == torch.bfloat16
-    return (floating and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()
+    return (_numpy_summed(t.dtype) and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()
             and not t.is_neg() and not t.is_conj())
 
 
@@ -96,6 +95,11 @@ def entry_and_crc(t: torch.Tensor, crc: bool = True) -> tuple[Entry, Optional[in
         return tensor_entry(t), None
     s, sa, c = _numpy_sums_crc(_numpy_view(t.detach().reshape(-1)))
     return (s, sa, int(t.numel())), c
+
+
+def _numpy_summed(dtype: torch.dtype) -> bool:
+    """Whether a CPU tensor of ``dtype`` is summed in numpy (float16/32/64, bfloat16 as its bits)."""
+    return dtype in _NUMPY_DTYPES or dtype == torch.bfloat16
 
 
 def _numpy_view(flat: torch.Tensor) -> np.ndarray:
