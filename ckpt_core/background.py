@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+from .shared_refs import SentStorages
+
 log = logging.getLogger("ckpt_core")
 
 _PENDING_LOCK = threading.Lock()
@@ -126,6 +128,7 @@ class SharedCheckpointProcess:
         self._thread: Optional[threading.Thread] = None
         self._proc: Any = None
         self._starts_queued = 0
+        self._sent = SentStorages()
 
     def needs_start(self) -> bool:
         """Whether the next save must start the process: none is alive and no queued save starts one."""
@@ -185,8 +188,10 @@ class SharedCheckpointProcess:
     def _run(self, job: _Job) -> None:
         try:
             proc = self._process_for(job)
-            result = proc.save(staged_state_dict=job.staged, storage_writer=job.writer, planner=job.planner)
+            result = proc.save(staged_state_dict=self._sent.wrap(job.staged), storage_writer=job.writer,
+                               planner=job.planner)
         except BaseException as e:  # noqa: BLE001 - handed to the training side through the future
+            self._sent.clear()  # what the process holds is unknown now: the next save sends every storage
             job.future.set_exception(e)
         else:
             job.future.set_result(result)
@@ -196,6 +201,7 @@ class SharedCheckpointProcess:
             with self._lock:
                 old, self._proc = self._proc, None
             _stop(old)
+            self._sent.clear()
             proc = _bounded_process_class()(job.init)  # spawns it and waits until its process group is up
             with self._lock:
                 self._proc = proc
