@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-from .shared_refs import SentStorages
+from .shared_refs import ReleaseHeld, ReleasingConnection, SentStorages
 
 log = logging.getLogger("ckpt_core")
 
@@ -124,7 +124,7 @@ class SharedCheckpointProcess:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()  # None: release held buffers
         self._thread: Optional[threading.Thread] = None
         self._proc: Any = None
         self._starts_queued = 0
@@ -167,6 +167,14 @@ class SharedCheckpointProcess:
         self._jobs.put(_Job(staged, writer, planner, init, fut))
         return fut
 
+    def release_held(self) -> None:
+        """After the saves queued so far, have the process let go of the staging buffers it holds (a manager
+        closed: its buffers would otherwise stay mapped there until the next save or exit)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                return
+        self._jobs.put(None)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the process (benchmarks, tests); the next process-mode save starts a new one."""
         with self._lock:
@@ -176,6 +184,9 @@ class SharedCheckpointProcess:
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:
+                self._release()
+                continue
             try:
                 if job.future.set_running_or_notify_cancel():
                     self._run(job)
@@ -195,6 +206,17 @@ class SharedCheckpointProcess:
             job.future.set_exception(e)
         else:
             job.future.set_result(result)
+
+    def _release(self) -> None:
+        held = len(self._sent) > 0
+        self._sent.clear()
+        with self._lock:
+            proc = self._proc
+        if held and _alive(proc):
+            try:
+                proc._process_pipe.send(ReleaseHeld())
+            except OSError:  # the process is gone, and with it what it held
+                pass
 
     def _process_for(self, job: _Job) -> Any:
         if job.init is not None:
@@ -232,7 +254,7 @@ def _bounded_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
     timeout_s = getattr(pg_init_info, "ckpt_timeout_s", None)
     if timeout_s:
         distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
-    _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+    _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, ReleasingConnection(parent_conn))
 
 
 WRITER_PROCESS_NAME = "ckpt-writer-process"

@@ -193,6 +193,8 @@ class Saver:
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+        if self.settings.async_mode == "process":
+            background.PROCESS.release_held()
         for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
                       "_cached_final_save_plan"):
             getattr(SavePlanner, cache, {}).pop(self._plan_key, None)

@@ -14,7 +14,9 @@ travel beside it the usual way, once; the process keeps exactly the storages
 the latest request names (``_HELD``), so a buffer the stager let go of is
 released there too. ``SentStorages`` is the training side's record of what
 the process holds: one per checkpoint process, cleared when a save fails or
-the process is replaced, after which every storage is sent again.
+the process is replaced, after which every storage is sent again. A closed
+manager sends ``ReleaseHeld`` so that the process does not keep its buffers
+(the host memory of a staged copy) until the next save or exit.
 """
 
 from __future__ import annotations
@@ -112,6 +114,41 @@ class _TokenUnpickler(pickle.Unpickler):
         except KeyError:
             raise RuntimeError(f"the checkpoint process does not hold staged storage {pid!r}; the next save "
                                "sends every storage again") from None
+
+
+class ReleaseHeld:
+    """A message to the checkpoint process: let go of every staging buffer it holds."""
+
+
+class ReleasingConnection:
+    """The checkpoint process's end of the pipe as torch's serving loop uses it.
+
+    ``ReleaseHeld`` messages are handled here and never reach the loop. Once a
+    save is answered, its request lets go of the state dict, planner and
+    writer: torch's loop keeps the request until the next one arrives, and
+    with it every staged buffer; after that only ``_HELD`` holds them.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._request: Any = None
+
+    def recv(self) -> Any:
+        while True:
+            obj = self._conn.recv()
+            if not isinstance(obj, ReleaseHeld):
+                self._request = obj
+                return obj
+            _HELD.clear()
+
+    def send(self, obj: Any) -> None:
+        request, self._request = self._request, None
+        if request is not None and hasattr(request, "staged_state_dict"):
+            request.staged_state_dict = request.planner = request.storage_writer = None
+        self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 def _rebuild(payload: bytes, new: dict[int, torch.UntypedStorage], named: list[int]) -> Any:

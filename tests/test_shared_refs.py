@@ -12,6 +12,7 @@ latest values of reused buffers after failures and restarts.
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 import torch
@@ -198,3 +199,34 @@ def _fail_once(real):
         return real(self, staged)
 
     return maybe_fail
+
+
+def _shm_mappings(pid: int) -> int:
+    """How many of torch's shared-memory segments process ``pid`` has mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if "/torch_" in line)
+
+
+def test_a_closed_manager_leaves_no_staging_buffer_mapped_in_the_writer(tmp_path):
+    torch.manual_seed(0)
+    model, opt = _net()
+    mgr = CheckpointManager(str(tmp_path / "a"), async_mode="process", handle_preemption=False)
+    mgr.save(1, TrainState(model=model, optimizers=opt))
+    mgr.wait()
+    writer = background.PROCESS._proc._save_process.pid
+    assert _shm_mappings(writer) > 0  # the buffers it holds for the next save
+    mgr.close()
+    deadline = time.monotonic() + 10
+    while _shm_mappings(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shm_mappings(writer) == 0
+
+    other = CheckpointManager(str(tmp_path / "b"), async_mode="process", handle_preemption=False)
+    other.save(2, TrainState(model=model, optimizers=opt))  # the same writer, everything sent again
+    other.wait()
+    assert background.PROCESS._proc._save_process.pid == writer
+    fresh, fresh_opt = _net()
+    other.restore(TrainState(model=fresh, optimizers=fresh_opt))
+    got, want = _params(fresh, fresh_opt), _params(model, opt)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    other.close()
