@@ -436,7 +436,7 @@ class _NoCloseStream(io.IOBase):
 class _ItemTransforms(_StorageWriterTransforms):
     """DCP's per-item stream transforms; without extensions, the stream it wraps each item in is one class
     defined once. DCP's own defines a new ``io.IOBase`` class for every item: a class and its reference
-    cycles for the garbage collector per tensor and save (0.1 ms of CPU each, measured with 1,024 tensors)."""
+    cycles for the garbage collector per tensor and save (about 40 us of CPU each, 1,024 tensors of 16 KiB)."""
 
     def transform_save_stream(self, write_item: Any, raw_stream: Any) -> tuple[Any, list[str]]:
         if self.extensions:
