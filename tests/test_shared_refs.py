@@ -117,10 +117,13 @@ def test_a_process_missing_a_storage_fails_with_a_clear_error():
         _send(sent, {"a": a})
 
 
-def test_private_and_empty_storages_travel_as_before():
+def test_a_private_storage_travels_as_before_and_an_empty_shared_one_as_a_token(monkeypatch):
+    spy = _FdSpy(monkeypatch)
     sent = shared_refs.SentStorages()
     got = _send(sent, {"private": torch.arange(5.0), "empty": torch.empty(0).share_memory_()})
-    assert len(sent) == 0 or all(s.nbytes() == 0 for _, s in sent._by_addr.values())
+    # the private storage through torch's own reduction, inside the payload; then the new shared one, once
+    assert spy.sizes == [20, 0]
+    assert [s.nbytes() for _, s in sent._by_addr.values()] == [0]
     assert torch.equal(got["private"], torch.arange(5.0)) and got["empty"].numel() == 0
 
 
