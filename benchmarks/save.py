@@ -10,8 +10,8 @@ parameters of a plain ``nn.Module``):
 * variants that save it: ``torch.save`` on rank 0 + fsync (what Lightning's and
   Accelerate's defaults do; at 2 ranks after gathering the full state to rank
   0), stock ``dcp.save`` (FileSystemWriter), stock ``dcp.async_save`` (thread and
-  process), and this project's ``CheckpointManager`` in ``process``, ``thread``
-  and ``off`` (synchronous) mode, plus ``process`` with a host-memory budget
+  process), and this project's ``CheckpointManager`` in ``process``, ``bytes``,
+  ``thread`` and ``off`` (synchronous) mode, plus ``process`` with a host-memory budget
   below the state size (it then saves synchronously) and ``process`` with
   ``direct_io=False`` (``ckpt[process,buffered]``: data files through the page
   cache);
@@ -68,11 +68,12 @@ DCP_ASYNC_PROCESS = "dcp.async_save[process]"
 CKPT_OFF = "ckpt[off]"
 CKPT_THREAD = "ckpt[thread]"
 CKPT_PROCESS = "ckpt[process]"
+CKPT_BYTES = "ckpt[bytes]"
 CKPT_BUDGET = "ckpt[process,budget]"
 LOOP_PREFIX = "loop:"
 CKPT_NICE0 = "ckpt[process,nice=0]"
 CKPT_BUFFERED = "ckpt[process,buffered]"
-LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_THREAD, CKPT_NICE0, CKPT_BUFFERED)
+LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_BYTES, CKPT_THREAD, CKPT_NICE0, CKPT_BUFFERED)
 DEFAULT_LOOP_KINDS = (TORCH_SAVE, CKPT_PROCESS)
 COMPONENTS = ("copy", "crc32c", "fingerprint", "pagecache", "fsync")
 """The pieces of a write whose CPU is measured on their own, as ``<name>_cpu_s`` in ``measure_refs``."""
@@ -87,6 +88,7 @@ DESCRIPTIONS = {
     CKPT_OFF: "CheckpointManager(async_mode='off'): synchronous DCP save + commit",
     CKPT_THREAD: "CheckpointManager(async_mode='thread')",
     CKPT_PROCESS: "CheckpointManager(async_mode='process'), the default",
+    CKPT_BYTES: "CheckpointManager(async_mode='bytes'): DCP on a thread, bytes written by a process without torch",
     CKPT_BUDGET: "CheckpointManager(async_mode='process', max_host_memory_bytes=state/2): saves synchronously",
     CKPT_NICE0: "CheckpointManager(async_mode='process', writer_nice=0): the writer at the trainer's priority",
     CKPT_BUFFERED: "CheckpointManager(async_mode='process', direct_io=False): data files through the page cache",
@@ -114,7 +116,7 @@ def ckpt_spec(name: str, default_wt: int) -> Optional[dict]:
 
 def save_variants(args: argparse.Namespace) -> list[str]:
     names = [LIMIT_COPY, LIMIT_WRITE, TORCH_SAVE, DCP_SAVE, DCP_ASYNC_THREAD, DCP_ASYNC_PROCESS,
-             CKPT_OFF, CKPT_THREAD, CKPT_PROCESS, CKPT_BUFFERED]
+             CKPT_OFF, CKPT_THREAD, CKPT_PROCESS, CKPT_BYTES, CKPT_BUFFERED]
     names += [f"ckpt[process,wt={w}]" for w in args.sweep_writer_threads if w != args.writer_threads]
     names.append(CKPT_BUDGET)
     return names
@@ -868,7 +870,8 @@ def _save_row(name: str, good: list, total: int, comps: dict) -> dict:
 
 
 def goals(rows: dict, ranks: int, threads: int, cpus: int) -> list[dict]:
-    """The goals of issue 18 for ckpt[process]: each figure with its 95 % CI and whether the whole CI meets the goal."""
+    """The goals of issue 18 for the background-process modes (ckpt[process], ckpt[bytes]): each figure with
+    its 95 % CI and whether the whole CI meets the goal."""
     out: list[dict] = []
 
     def add(goal: str, variant: str, value: Optional[float], ci: Optional[list], limit: float, unit: str,
@@ -877,13 +880,18 @@ def goals(rows: dict, ranks: int, threads: int, cpus: int) -> list[dict]:
         out.append({"goal": goal, "variant": variant, "value": value, "ci": ci, "limit": limit, "unit": unit,
                     "status": status, "ci_meets_goal": status == "PASS"})
 
-    p = rows.get(CKPT_PROCESS)
+    for v in (CKPT_PROCESS, CKPT_BYTES):
+        _variant_goals(rows, v, ranks, threads, cpus, add)
+    return out
+
+
+def _variant_goals(rows: dict, v: str, ranks: int, threads: int, cpus: int, add: Callable[..., None]) -> None:
+    p = rows.get(v)
     if p:
-        add("CPU of the background write <= 0.5 s/GiB", CKPT_PROCESS, p["cpu_s_per_gib"], p["cpu_s_per_gib_ci"],
-            0.5, "s/GiB")
+        add("CPU of the background write <= 0.5 s/GiB", v, p["cpu_s_per_gib"], p["cpu_s_per_gib_ci"], 0.5, "s/GiB")
     for name, r in rows.items():
         kind, t = parse_loop(name) or (None, None)
-        if kind != CKPT_PROCESS:
+        if kind != v:
             continue
         t = t or threads
         idle = t * ranks < cpus
@@ -893,10 +901,9 @@ def goals(rows: dict, ranks: int, threads: int, cpus: int) -> list[dict]:
         if t == 1 and idle:
             add("training overhead <= 5% (1 train thread)", name, r["overhead"], r["overhead_ci"], 0.05, "%")
     if ranks == 2 and p:
-        add("persist >= 0.8x fsync'd write of the same bytes (2 ranks)", CKPT_PROCESS,
+        add("persist >= 0.8x fsync'd write of the same bytes (2 ranks)", v,
             p["persist_over_limit_paired"], p["persist_over_limit_ci"], 0.8, "x", higher_is_better=True)
-        add("peak host memory <= 2.2x state (2 ranks)", CKPT_PROCESS, p["mem_net_mean"], p["mem_net_ci"], 2.2, "x")
-    return out
+        add("peak host memory <= 2.2x state (2 ranks)", v, p["mem_net_mean"], p["mem_net_ci"], 2.2, "x")
 
 
 def targets(rows: dict, args: argparse.Namespace) -> list[dict]:
@@ -908,7 +915,8 @@ def targets(rows: dict, args: argparse.Namespace) -> list[dict]:
         out.append({"target": what, "variant": variant, "value": value, "limit": limit, "status": status,
                     "text": text})
 
-    for v, stock in ((CKPT_PROCESS, DCP_ASYNC_PROCESS), (CKPT_THREAD, DCP_ASYNC_THREAD)):
+    for v, stock in ((CKPT_PROCESS, DCP_ASYNC_PROCESS), (CKPT_BYTES, DCP_ASYNC_PROCESS),
+                     (CKPT_THREAD, DCP_ASYNC_THREAD)):
         r = rows.get(v)
         if not r:
             continue

@@ -335,7 +335,7 @@ def ensure_process_group() -> None:
 def checkpoint_groups(async_mode: str, timeout_s: float = 300.0) -> tuple[Any, Any]:
     """``(data group, control group)``: gloo groups of their own for the checkpoint code (None on one rank).
 
-    DCP's collectives run on the data group; in ``thread`` mode they run on a
+    DCP's collectives run on the data group; in ``thread`` and ``bytes`` modes they run on a
     background thread, so the training thread's agreements (preemption, "save
     done?", time sync) use a second group: two threads issuing collectives on
     one gloo group mismatch them and hang. Every collective on them waits at
@@ -345,7 +345,7 @@ def checkpoint_groups(async_mode: str, timeout_s: float = 300.0) -> tuple[Any, A
         return None, None
     timeout = timedelta(seconds=timeout_s)
     data = dist.new_group(backend="gloo", timeout=timeout)
-    return data, dist.new_group(backend="gloo", timeout=timeout) if async_mode == "thread" else data
+    return data, dist.new_group(backend="gloo", timeout=timeout) if async_mode in ("thread", "bytes") else data
 
 
 def release_groups(*groups: Any) -> None:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import fingerprint as fp
+from .byte_client import RemoteSave, RemoteStream, open_data_file
 from .crc_combine import crc32c_combine
 from .direct_io import BLOCK, open_direct
 from .inplace_read import read_in_place
@@ -304,6 +305,8 @@ class _HashingFileSystem:
         """Block size each item and each tensor's bytes start at in data files (0: packed; ``_save_config``)."""
         self.staged_crcs: Optional[StagedCrcs] = None
         """The CRC32Cs the running save's fingerprint pass takes of its staged tensors (``staged_crc``)."""
+        self.remote: Optional[RemoteSave] = None
+        """Where data files go in ``async_mode="bytes"``: the byte writer process (``byte_client``)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "inner" not in self.__dict__:
@@ -313,6 +316,10 @@ class _HashingFileSystem:
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         name = os.path.basename(os.fspath(path))
+        if self.remote is not None and "w" in mode and name.endswith(DATA_SUFFIX):
+            with self._remote_stream(path, name) as stream:
+                yield stream
+            return
         direct = None
         if self.direct and "w" in mode and name.endswith(DATA_SUFFIX):
             direct = open_direct(os.fspath(path), self.sync)  # None where the file system refuses O_DIRECT
@@ -334,11 +341,36 @@ class _HashingFileSystem:
                 hashing = _HashingStream(stream, self, sha256=name.startswith(DCP_METADATA_NAME), align=align)
                 with _save_config(align):
                     yield hashing
-        self.records[name] = (hashing.size, hashing.crc)
-        self.segments[name] = hashing.segments
-        self.segment_sha256[name] = hashing.segment_sha256
-        if hashing.sha256 is not None:
-            self.digests[name] = hashing.sha256.hexdigest()
+        self._record(name, hashing)
+
+    @contextlib.contextmanager
+    def _remote_stream(self, path: Any, name: str) -> Iterator[Any]:
+        """A data file recorded here and written by the byte writer process (``byte_client.RemoteStream``)."""
+        assert self.remote is not None
+        try:
+            fd, direct = open_data_file(os.fspath(path), self.direct)
+        except Exception as e:
+            self.last_error = e  # a writer thread of DCP's dies of it: the save reports this, not a short count
+            raise
+        align = self.align if _CONFIG_PATCHES_ARE_CONTEXT_LOCAL else 0
+        stream = RemoteStream(fd, self.remote, direct, self.sync, self.item_sha256, align=align)
+        try:
+            with _save_config(align):
+                yield stream
+            stream.close()
+        except BaseException as e:
+            stream.discard()
+            if isinstance(e, Exception):
+                self.last_error = e
+            raise
+        self._record(name, stream)
+
+    def _record(self, name: str, stream: Any) -> None:
+        self.records[name] = (stream.size, stream.crc)
+        self.segments[name] = stream.segments
+        self.segment_sha256[name] = stream.segment_sha256
+        if stream.sha256 is not None:
+            self.digests[name] = stream.sha256.hexdigest()
 
 
 _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT}
@@ -374,6 +406,14 @@ def _crc_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
     return (t.data_ptr(), t.numel() * t.element_size()) if fp.crc_fusable(t) else None
 
 
+def _fingerprint_jobs(plan: Any, planner: Any) -> list[tuple[str, torch.Tensor, Optional[tuple[int, int]]]]:
+    """(fqn, tensor, CRC key) of each tensor the plan writes that the fingerprint covers, largest first (as
+    DCP's writer threads take a rank's items)."""
+    jobs = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
+            if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn)]
+    return sorted(((fqn, t, _crc_key(t)) for fqn, t in jobs), key=lambda job: -job[1].nbytes)
+
+
 def _start_fingerprint(plan: Any, planner: Any, sums: dict, errors: list
                        ) -> tuple[threading.Thread, StagedCrcs]:
     """Fingerprint the plan's tensors into ``sums`` on a thread of its own (an exception goes to ``errors``),
@@ -382,10 +422,7 @@ def _start_fingerprint(plan: Any, planner: Any, sums: dict, errors: list
     A read-only pass over the tensors being written: it runs beside the write
     (numpy releases the GIL) instead of before it, hidden behind the storage.
     """
-    jobs = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
-            if item.type != WriteItemType.BYTE_IO and fp.is_fingerprinted(item.index.fqn)]
-    # largest first, as DCP's writer threads take a rank's items: the pass stays ahead of the writers
-    keys = sorted(((fqn, t, _crc_key(t)) for fqn, t in jobs), key=lambda job: -job[1].nbytes)
+    keys = _fingerprint_jobs(plan, planner)
     crcs = StagedCrcs(key for _, _, key in keys if key is not None)
 
     def fingerprint() -> None:
@@ -406,6 +443,27 @@ def _start_fingerprint(plan: Any, planner: Any, sums: dict, errors: list
     thread = threading.Thread(target=fingerprint, name="ckpt-fingerprint", daemon=True)
     thread.start()
     return thread, crcs
+
+
+def _begin_remote(plan: Any, planner: Any, jobs: list, remote: RemoteSave) -> None:
+    """Before each attempt: the byte writer process maps every staged buffer of the plan (a replaced
+    process maps them again) and is asked to sum each staged tensor of ``jobs`` it writes whole."""
+    remote.generation = remote.process.hold(planner.resolve_data(item).untyped_storage() for item in plan.items
+                                            if item.type != WriteItemType.BYTE_IO)
+    remote.fp_ids = {key: (i, str(t.dtype).rpartition(".")[2]) for i, (_fqn, t, key) in enumerate(jobs)
+                     if key is not None}
+    remote.sums = {}
+
+
+def _remote_fingerprint(jobs: list, remote: RemoteSave) -> dict[str, fp.Entry]:
+    """The fingerprint of ``jobs``: the byte writer process's sums where it took them, the rest summed here
+    (tensors it did not get as a reference: small, non-contiguous, or of a dtype numpy does not sum)."""
+    parts = []
+    for i, (fqn, t, key) in enumerate(jobs):
+        took = remote.fp_ids.get(key) if key is not None else None
+        sums = remote.sums.get(took[0]) if took is not None and took[0] == i else None
+        parts.append({fqn: (sums[0], sums[1], int(t.numel())) if sums is not None else fp.tensor_entry(t)})
+    return fp.combine(parts)
 
 
 def _item_bytes(item: Any) -> int:
@@ -466,7 +524,12 @@ class _CommitMixin:
             renice_threads(self._nice)
         sums: dict[str, fp.Entry] = {}
         fp_error: list[BaseException] = []
-        fp_thread, self.fs.staged_crcs = _start_fingerprint(plan, planner, sums, fp_error)
+        remote = self.fs.remote
+        if remote is not None:  # the byte writer process sums what it writes
+            jobs = _fingerprint_jobs(plan, planner)
+            fp_thread = None
+        else:
+            fp_thread, self.fs.staged_crcs = _start_fingerprint(plan, planner, sums, fp_error)
         if self.fs.direct:
             self.fs.align = BLOCK if aligns([_item_bytes(item) for item in plan.items]) else 0
 
@@ -474,6 +537,8 @@ class _CommitMixin:
             for name in [n for n in self.fs.records if n.startswith(prefix)]:
                 del self.fs.records[name]
             self.fs.last_error = None
+            if remote is not None:
+                _begin_remote(plan, planner, jobs, remote)
             try:
                 fut = super(_CommitMixin, self).write_data(plan, planner)  # type: ignore[misc]
                 fut.wait()
@@ -494,16 +559,24 @@ class _CommitMixin:
             fut = with_retries(write_all, f"writing the shards of rank prefix {prefix}", self._retries,
                                self._backoff_s)
         finally:
-            fp_thread.join()
+            if fp_thread is not None:
+                fp_thread.join()
             self.fs.staged_crcs = None
         if fp_error:
             raise fp_error[0]
+        if remote is not None:
+            sums.update(_remote_fingerprint(jobs, remote))
+        self._write_sidecar(prefix, sums, fut.value())
+        return fut
+
+    def _write_sidecar(self, prefix: str, sums: dict, results: list) -> None:
+        """This rank's sidecar (its files, items' checksums and fingerprint share), once its data is durable."""
         part = Sidecar(
             prefix=prefix,
             files={name: rec for name, rec in self.fs.records.items() if name.startswith(prefix)},
             fingerprint=sums,
-            items=self._item_checksums(fut.value()),
-            item_sha256=self._item_sha256(fut.value()) if self.fs.item_sha256 else {},
+            items=self._item_checksums(results),
+            item_sha256=self._item_sha256(results) if self.fs.item_sha256 else {},
             checkpoint_id=self._manifest_fields["checkpoint_id"],
             step=self._manifest_fields["step"],
         ).to_json()
@@ -516,7 +589,6 @@ class _CommitMixin:
                         os.fsync(stream.fileno())
 
         with_retries(write_part, f"writing {sidecar_name(prefix)}", self._retries, self._backoff_s)
-        return fut
 
     def _item_checksums(self, results: list) -> dict[ItemKey, int]:
         """The CRC32C of every item this rank wrote, from the segments its streams recorded."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Optional
 
-import crc32c
 import numpy as np
 import torch
+
+from .array_sums import CHUNK as _CHUNK, sums_crc
 
 Entry = tuple[float, float, int]
 """(sum, sum of absolute values, number of elements), all over the logical tensor."""
@@ -25,11 +26,6 @@ def is_fingerprinted(fqn: str) -> bool:
     return fqn.startswith(FINGERPRINT_PREFIXES)
 
 
-_CHUNK = 1 << 18
-"""Elements per block: 1 MiB of float32 scratch, small enough to stay in cache between the passes over it."""
-_ROW = 4096
-"""Columns of a block: each column sum (at most ``_CHUNK / _ROW`` = 64 values) is taken in float32, the column
-sums are added in float64."""
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
@@ -93,7 +89,7 @@ def entry_and_crc(t: torch.Tensor, crc: bool = True) -> tuple[Entry, Optional[in
     """
     if not (crc and crc_fusable(t)):
         return tensor_entry(t), None
-    s, sa, c = _numpy_sums_crc(_numpy_view(t.detach().reshape(-1)))
+    s, sa, c = sums_crc(_numpy_view(t.detach().reshape(-1)))
     return (s, sa, int(t.numel())), c
 
 
@@ -112,7 +108,7 @@ def _numpy_view(flat: torch.Tensor) -> np.ndarray:
 def _torch_sums(flat: torch.Tensor) -> tuple[float, float]:
     """(sum, sum of |x|) of a flat CPU floating tensor: blocks of ``_CHUNK`` summed by torch in float32 (float64
     for float64), added in float64; a block whose float32 sums overflow while its values are finite is summed
-    again in float64, as ``_block_sum`` does."""
+    again in float64, as ``array_sums.block_sum`` does."""
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
     buf = torch.empty(min(flat.numel(), _CHUNK), dtype=flat.dtype)
     s = sa = 0.0
@@ -128,52 +124,8 @@ def _torch_sums(flat: torch.Tensor) -> tuple[float, float]:
 
 def _numpy_sums(a: np.ndarray) -> tuple[float, float]:
     """(sum, sum of |x|) of a flat float16/32/64 array, or of bfloat16 bits held as uint16."""
-    s, sa, _ = _numpy_sums_crc(a, with_crc=False)
+    s, sa, _ = sums_crc(a, with_crc=False)
     return s, sa
-
-
-def _numpy_sums_crc(a: np.ndarray, with_crc: bool = True) -> tuple[float, float, Optional[int]]:
-    """``_numpy_sums`` and, ``with_crc``, the CRC32C of ``a``'s bytes, each block's taken after its sums."""
-    crc: Optional[int] = 0 if with_crc else None
-    wide = a.dtype == np.float64
-    x_buf = np.empty(min(a.size, _CHUNK), dtype=np.float64 if wide else np.float32)
-    abs_buf = np.empty_like(x_buf)
-    s = sa = 0.0
-    with np.errstate(all="ignore"):  # non-finite sums are data here (an unhealthy state), not errors
-        for i in range(0, a.size, _CHUNK):
-            c = a[i : i + _CHUNK]
-            x = c if c.dtype == x_buf.dtype else _as_float32(c, x_buf[: c.size])
-            s += _block_sum(x)
-            sa += _block_sum(np.abs(x, out=abs_buf[: c.size]))
-            if crc is not None:
-                crc = crc32c.crc32c(c, crc)
-    return s, sa, crc
-
-
-def _as_float32(c: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``c`` (float16, or bfloat16 bits as uint16) widened to float32 into ``out``."""
-    if c.dtype == np.uint16:  # bfloat16 is the upper half of a float32
-        bits = out.view(np.uint32)
-        np.copyto(bits, c)
-        np.left_shift(bits, 16, out=bits)
-        return out
-    np.copyto(out, c)
-    return out
-
-
-def _block_sum(x: np.ndarray) -> float:
-    """Sum of one block: its rows of ``_ROW`` added down the columns in float32, the column sums and the
-    tail in float64 (float64 throughout if a column sum overflows)."""
-    if x.dtype == np.float64:
-        return float(np.add.reduce(x))
-    rows = x.size // _ROW
-    tail = float(np.add.reduce(x[rows * _ROW :], dtype=np.float64))
-    if not rows:
-        return tail
-    columns = np.add.reduce(x[: rows * _ROW].reshape(rows, _ROW), axis=0)
-    if not np.isfinite(columns).all() and np.isfinite(x).all():
-        return float(np.add.reduce(x, dtype=np.float64))
-    return float(np.add.reduce(columns, dtype=np.float64)) + tail
 
 
 def combine(parts: Iterable[Mapping[str, Entry]]) -> dict[str, Entry]:

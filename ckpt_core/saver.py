@@ -9,7 +9,9 @@ happens when the manager collects a finished save.
 Staging happens here, on the training thread; the write then runs where
 ``background`` says: the checkpoint process shared by every saver of this
 Python process (``async_mode="process"``: requests go to it one at a time, so
-any number of managers can save concurrently), or a daemon thread.
+any number of managers can save concurrently), or a daemon thread; with
+``async_mode="bytes"`` the thread hands each data file's bytes to the byte
+writer process (``byte_client``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import background
+from . import background, byte_client
 from .collectives import RankGroup, all_done
 from .config import CheckpointSettings
 from . import signing
-from .dcp_io import make_writer
+from .dcp_io import LocalCommitWriter, make_writer
 from .errors import SaveError, is_fatal
 from .staging import AlignedStager
 from .state import TrainState
@@ -113,7 +115,7 @@ class Saver:
         if settings.async_mode != "off":
             self.stager = AlignedStager(StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=settings.async_mode == "process",
+                use_shared_memory=settings.async_mode in ("process", "bytes"),
                 use_async_staging=False,
                 use_non_blocking_copy=False,
             ))
@@ -195,6 +197,8 @@ class Saver:
             self.stager.close()
         if self.settings.async_mode == "process":
             background.PROCESS.release_held()
+        if self.settings.async_mode == "bytes":
+            byte_client.PROCESS.release_freed()
         for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
                       "_cached_final_save_plan"):
             getattr(SavePlanner, cache, {}).pop(self._plan_key, None)
@@ -223,6 +227,8 @@ class Saver:
                 init = background.PROCESS.init_info(self._pg, self._control,  # collective when ranks > 1
                                                      self.settings.collective_timeout_s)
                 return background.PROCESS.submit(staged, writer, planner, init)
+            if mode == "bytes" and isinstance(writer, LocalCommitWriter):
+                writer.fs.remote = byte_client.RemoteSave(byte_client.PROCESS, self.settings.writer_nice)
             return background.run_on_thread(dcp.save, staged, storage_writer=writer, planner=planner,
                                             process_group=self._pg)
 
@@ -234,7 +240,8 @@ class Saver:
             raise ValueError(
                 f"the state holds objects of classes defined in the training script "
                 f"({', '.join(named) or 'on another rank'}); the checkpoint writer process does not run the script, "
-                "so it cannot unpickle them: define them in an importable module, or save with async_mode='thread'")
+                "so it cannot unpickle them: define them in an importable module, or save with async_mode='thread' or "
+                "async_mode='bytes'")
 
     def _mode_for(self, state: TrainState) -> str:
         mode, limit = self.settings.async_mode, self.settings.max_host_memory_bytes

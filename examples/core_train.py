@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=32, help="hidden units of the model")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
-    p.add_argument("--async-mode", default="thread", choices=["process", "thread", "off"])
+    p.add_argument("--async-mode", default="thread", choices=["process", "bytes", "thread", "off"])
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None, help="only this rank dies (default: all)")

@@ -36,7 +36,7 @@ def _restored(root: Path):
     return model, opt
 
 
-@pytest.mark.parametrize("mode", ["thread"])
+@pytest.mark.parametrize("mode", ["thread", "bytes"])
 def test_async_and_sync_saves_restore_identical_tensors(tmp_path, mode):
     model, opt, state = _state()
     for name, m_mode in (("sync", "off"), ("async", mode)):
@@ -92,7 +92,7 @@ def test_zip_crc32_is_skipped_in_the_writer_threads_only(tmp_path):
             torch.save(torch.arange(8.0), buf)
             user_crcs.extend(_central_crcs(buf.getvalue()))
 
-    for mode in ("off", "thread", "process"):
+    for mode in ("off", "thread", "process", "bytes"):
         with CheckpointManager(str(tmp_path / mode), async_mode=mode, handle_preemption=False) as m:
             m.save(5, state)
             t = threading.Thread(target=user_saves)

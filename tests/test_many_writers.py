@@ -52,7 +52,7 @@ def _same(a: dict, b: dict) -> bool:
 
 # ------------------------------------------------------------------ issue 1
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["process", "thread", "bytes"])
 def test_four_managers_interleaved_saves_dropped_and_closed_midway(tmp_path, mode):
     """4 managers x 3 saves, each save dispatched while the others' are writing; manager 1 is dropped without
     close() with its save in flight, manager 2 is closed, both replaced; none of the others is closed."""

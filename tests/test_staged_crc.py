@@ -159,7 +159,8 @@ def _state() -> tuple[dict, int]:
 @pytest.mark.parametrize("async_mode,direct_io,order", [
     ("off", True, "pass"), ("thread", True, "pass"), ("thread", False, "pass"),
     ("thread", True, "writer"), ("off", False, "writer"), ("thread", True, "race"),
-    ("process", True, "race")])  # the writer process's own pass and writer: not recorded here
+    ("process", True, "race"),  # the writer process's own pass and writer: not recorded here
+    ("bytes", True, "race"), ("bytes", False, "race")])  # the byte writer process sums and checksums
 def test_a_save_records_the_crcs_of_the_bytes_on_disk_whoever_takes_them(tmp_path, monkeypatch, async_mode,
                                                                           direct_io, order):
     seen = _recording(monkeypatch, order)

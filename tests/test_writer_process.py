@@ -66,6 +66,10 @@ if __name__ == "__main__":
     thread.save(1, state)
     thread.wait()
     print("THREAD saved")
+    remote = CheckpointManager(sys.argv[1] + "/bytes", async_mode="bytes", handle_preemption=False)
+    remote.save(1, state)
+    remote.wait()
+    print("BYTES saved")
 '''
 
 
@@ -90,11 +94,13 @@ def test_state_naming_a_script_class_is_refused_in_process_mode_with_the_fix(tmp
     proc = run_script(script, [str(tmp_path)])
     refused = _result(proc.stdout, "REFUSED")
     assert "checkpoint save at step 1 failed" in refused and "__main__.Knob" in refused, proc.stdout
-    assert "async_mode='thread'" in refused and "importable module" in refused, refused
+    assert "async_mode='thread'" in refused and "async_mode='bytes'" in refused, refused
+    assert "importable module" in refused, refused
     from ckpt_core.storage import step_dirname
 
     assert not (tmp_path / "process" / step_dirname(1)).exists(), proc.stdout  # nothing half-written
-    assert (tmp_path / "thread" / step_dirname(1)).is_dir(), proc.stdout  # the fix the message names works
+    assert (tmp_path / "thread" / step_dirname(1)).is_dir(), proc.stdout  # the fixes the message names work
+    assert (tmp_path / "bytes" / step_dirname(1)).is_dir(), proc.stdout
 
 
 def test_script_classes_names_every_class_of_the_script_in_nested_containers():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from .errors import SettingError
 
-ASYNC_MODES = ("process", "thread", "off")
+ASYNC_MODES = ("process", "bytes", "thread", "off")
 IN_FLIGHT_POLICIES = ("wait", "skip")
 ERROR_POLICIES = ("raise", "warn")
 VERIFY_LEVELS = ("none", "size", "checksum")
@@ -97,7 +97,8 @@ class CheckpointSettings:
     keep_best: Optional[tuple] = _spec(None, '(metric, "min"|"max", n): keep the n best by a metric.',
                                        lambda v: v is None or _keep_best(v),
                                        "(metric, 'min'|'max', n) with n a positive integer")
-    async_mode: str = _choice("process", "process (default: DCP's background process), thread or off.", ASYNC_MODES)
+    async_mode: str = _choice("process", "process (default: DCP's background process), bytes (DCP on a thread, the "
+                                        "bytes written by a small process without torch), thread or off.", ASYNC_MODES)
     on_in_flight: str = _choice("wait", "when a save is due while the previous is still writing: wait or skip "
                                         "(a local snapshot too, while the previous one is sealed or replicated).",
                                 IN_FLIGHT_POLICIES)
@@ -158,8 +159,8 @@ class CheckpointSettings:
               "at start).")
     writer_threads: int = _count(4, "DCP writer threads (and files) per rank; 4 measured fastest "
                                     "(benchmarks/save.py).", low=1)
-    writer_nice: int = _count(0, "async_mode=process: the nice value of the background writer process (0 to 19; "
-                                 "never below the trainer's). 0 measured best with every core training "
+    writer_nice: int = _count(0, "async_mode=process or bytes: the nice value of the background writer process "
+                                 "(0 to 19; never below the trainer's). 0 measured best with every core training "
                                  "(benchmarks/save.py: +4.7 % against +10.6 % at nice 10). Thread mode is never "
                                  "reniced: a thread holding the GIL at low priority would stall training.", high=19)
     direct_io: bool = _flag(True, "write and read a checkpoint's data files on a local file system with O_DIRECT: "
