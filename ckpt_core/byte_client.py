@@ -33,6 +33,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from .byte_writer import MAX_FDS, recv_message, send_message
+from .item_stream import ItemBoundaries, combined_crc
 
 INLINE_MAX = 64 << 10
 """Writes shorter than this travel as bytes inside the recipe, even from a staging buffer: a reference costs a
@@ -284,8 +285,8 @@ class RemoteSave:
             self.sums.update(sums)
 
 
-class RemoteStream(io.RawIOBase):
-    """A data file written by the byte writer process: ``_HashingStream``'s segments, positions and padding,
+class RemoteStream(ItemBoundaries, io.RawIOBase):
+    """A data file written by the byte writer process: DCP's items cut at ``tell`` (``item_stream``),
     recorded here and written there when DCP asks for the descriptor (to fsync) or closes the stream."""
 
     def __init__(self, fd: int, save: RemoteSave, direct: bool, sync: bool, sha256: bool, align: int = 0) -> None:
@@ -326,22 +327,10 @@ class RemoteStream(io.RawIOBase):
         if self._pieces[-1]:
             self._pieces.append([])
 
-    def tell(self) -> int:
-        if self._align and not self._wrote and self.size % self._align:
-            self._cut()
-            self.write(bytes(self._align - self.size % self._align))
-        self._cut()
-        self._wrote = False
-        return self.size
-
     @property
     def crc(self) -> int:
-        from .crc_combine import crc32c_combine
-
-        crc = 0
-        for _offset, length, seg_crc in self.segments:
-            crc = crc32c_combine(crc, seg_crc, length)
-        return crc
+        """CRC32C of the file, combined from the segments' (once written)."""
+        return combined_crc(self.segments)
 
     def _write_remote(self) -> None:
         if self._sent:

@@ -51,6 +51,7 @@ from .byte_client import RemoteSave, RemoteStream, open_data_file
 from .crc_combine import crc32c_combine
 from .direct_io import BLOCK, open_direct
 from .inplace_read import read_in_place
+from .item_stream import ItemBoundaries, combined_crc
 from .integrity import CheckpointVerifier
 from .manifest import FileEntry, Manifest, build_manifest
 from .planner import placed_for_load
@@ -131,16 +132,9 @@ def _staged_crc(owner: "_HashingFileSystem", mv: memoryview) -> Optional[int]:
     return crcs.take((np.frombuffer(mv, dtype=np.uint8).ctypes.data, len(mv)))
 
 
-class _HashingStream(io.RawIOBase):
-    """Forwards writes to ``raw`` while keeping a CRC32C per segment.
-
-    DCP asks the stream for its position (``tell``) right before and right
-    after each item it writes, so the segments between two ``tell`` calls are
-    exactly DCP's items. With ``align``, a ``tell`` that follows another with
-    nothing written between them (the start of an item) first pads the file
-    with zeros to a multiple of ``align``: a segment of its own, in the file's
-    checksum but in no item.
-    """
+class _HashingStream(ItemBoundaries, io.RawIOBase):
+    """Forwards writes to ``raw`` while keeping a CRC32C per segment: DCP's items, cut at ``tell``
+    (``item_stream``)."""
 
     def __init__(self, raw: Any, owner: "_HashingFileSystem", sha256: bool = False, align: int = 0) -> None:
         self._raw = raw
@@ -175,10 +169,7 @@ class _HashingStream(io.RawIOBase):
     def crc(self) -> int:
         """CRC32C of everything written so far, combined from the segments'."""
         self._cut()
-        crc = 0
-        for _offset, length, seg_crc in self.segments:
-            crc = crc32c_combine(crc, seg_crc, length)
-        return crc
+        return combined_crc(self.segments)
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
@@ -201,14 +192,6 @@ class _HashingStream(io.RawIOBase):
         self.size += n
         self._wrote = True
         return n
-
-    def tell(self) -> int:
-        if self._align and not self._wrote and self.size % self._align:
-            self._cut()
-            self.write(bytes(self._align - self.size % self._align))
-        self._cut()
-        self._wrote = False
-        return self.size
 
     def fileno(self) -> int:
         return self._raw.fileno()
