@@ -157,11 +157,6 @@ class ByteWriterProcess:
                 self._proc.wait()
             self._proc = None
 
-    def stop(self) -> None:
-        """End the process (it exits when its socket closes)."""
-        with self._lock:
-            self._shutdown_locked()
-
     # ------------------------------------------------------------ buffers
     def lookup(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
         """(token, offset) of ``address..address+nbytes`` in a buffer the process holds, else None."""
