@@ -2,12 +2,12 @@
 
 DCP runs the save on a thread of the training process, as in thread mode,
 but each data file it writes is a ``RemoteStream``: it records what
-``torch.save`` writes (its small headers as bytes, each large write that
-lies in a shared-memory staging buffer as a reference) and, when DCP asks
-for the file's descriptor to fsync it or closes it, hands the recipe to the
-byte writer process (``byte_writer``) and waits for it. That process maps
-each staging buffer once (its descriptor travels once, ``SCM_RIGHTS``), and
-is told to unmap it when the buffer's storage is freed here.
+``torch.save`` writes (its headers and writes under a page as bytes, each
+write that lies in a staging buffer of ``shared_arena`` as a reference) and,
+when DCP asks for the file's descriptor to fsync it or closes it, hands the
+recipe to the byte writer process (``byte_writer``) and waits for it. That process maps
+each arena chunk once (its descriptor travels once, ``SCM_RIGHTS``), and is
+told to unmap it when the chunk is closed here.
 
 One byte writer process serves every manager of this Python process
 (``PROCESS``); it is started by the first save that needs it and replaced
@@ -34,11 +34,11 @@ import numpy as np
 
 from .byte_writer import MAX_FDS, recv_message, send_message
 from .item_stream import ItemBoundaries, combined_crc
+from .shared_arena import ARENA, MIN_BYTES
 
-INLINE_MAX = 64 << 10
-"""Writes shorter than this travel as bytes inside the recipe, even from a staging buffer: a reference costs a
-descriptor and a mapping in the byte writer per buffer (a state of many small tensors would use up the process's
-mappings). Until their file is written, those bytes are held about three times (recorded, pickled, received)."""
+SHARED_MIN = 64 << 10
+"""Storages in torch's shared memory (DCP's pinned staging on a CUDA host) smaller than this are not mapped by the
+byte writer: each costs a descriptor and a mapping there. Their bytes travel inside the recipe."""
 
 
 class ByteWriterDied(ConnectionError):
@@ -179,16 +179,16 @@ class ByteWriterProcess:
             for addr in [a for a, (_t, _n, ref) in self._mapped.items() if ref() is None]:
                 del self._mapped[addr]
             for st in storages:
-                addr, size = st.data_ptr(), st.nbytes()
-                known = self._mapped.get(addr)
-                if size < INLINE_MAX or (known is not None and known[2]() is st and known[1] == size):
+                where = _buffer_of(st)
+                if where is None:
                     continue
-                fd = _shared_fd(st)
-                if fd is None:
+                addr, size, fd, owner = where
+                known = self._mapped.get(addr)
+                if known is not None and known[2]() is owner and known[1] == size:
                     continue
                 token = next(self._tokens)
-                self._mapped[addr] = (token, size, weakref.ref(st, self._freed(token)))
-                new.append((token, size, st, fd))
+                self._mapped[addr] = (token, size, weakref.ref(owner, self._freed(token)))
+                new.append((token, size, owner, fd))
             self._starts = sorted(self._mapped)
         try:
             for i in range(0, len(new), MAX_FDS):
@@ -236,15 +236,22 @@ class ByteWriterProcess:
         return fut
 
 
-def _shared_fd(storage: Any) -> Optional[int]:
-    """The descriptor of a CPU storage in shared memory (torch's ``file_descriptor`` strategy), else None."""
-    if storage.device.type != "cpu" or not storage.is_shared():
+def _buffer_of(storage: Any) -> Optional[tuple[int, int, int, Any]]:
+    """(address, bytes, descriptor, owner) of the buffer the byte writer maps to read ``storage``: its arena
+    chunk, or the storage itself in torch's shared memory (``file_descriptor`` strategy); None if neither.
+    The buffer is released there once ``owner`` is freed here."""
+    if storage.device.type != "cpu":
+        return None
+    chunk = ARENA.find(storage.data_ptr(), storage.nbytes())
+    if chunk is not None:
+        return chunk
+    if storage.nbytes() < SHARED_MIN or not storage.is_shared():
         return None
     try:
         fd, _size = storage._share_fd_cpu_()
     except (RuntimeError, AttributeError):
         return None
-    return fd
+    return storage.data_ptr(), storage.nbytes(), fd, storage
 
 
 PROCESS = ByteWriterProcess()
@@ -266,7 +273,7 @@ class RemoteSave:
 
     def piece(self, mv: memoryview) -> Optional[tuple]:
         """A reference to ``mv`` in a staging buffer the process maps, else None (send its bytes)."""
-        if len(mv) < INLINE_MAX:
+        if len(mv) < MIN_BYTES:
             return None
         address = np.frombuffer(mv, dtype=np.uint8).ctypes.data
         where = self.process.lookup(address, len(mv))

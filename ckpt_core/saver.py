@@ -38,6 +38,7 @@ from .config import CheckpointSettings
 from . import signing
 from .dcp_io import LocalCommitWriter, make_writer
 from .errors import SaveError, is_fatal
+from .shared_arena import ARENA
 from .staging import AlignedStager
 from .state import TrainState
 
@@ -115,10 +116,10 @@ class Saver:
         if settings.async_mode != "off":
             self.stager = AlignedStager(StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=settings.async_mode in ("process", "bytes"),
+                use_shared_memory=settings.async_mode == "process",
                 use_async_staging=False,
                 use_non_blocking_copy=False,
-            ))
+            ), arena=settings.async_mode == "bytes")
 
     def done_everywhere(self) -> bool:
         """Whether no rank has a save still writing (collective: every rank takes the same branch)."""
@@ -198,6 +199,7 @@ class Saver:
         if self.settings.async_mode == "process":
             background.PROCESS.release_held()
         if self.settings.async_mode == "bytes":
+            ARENA.trim()
             byte_client.PROCESS.release_freed()
         for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
                       "_cached_final_save_plan"):

@@ -10,15 +10,18 @@ construction; the private memory of ``async_mode="thread"`` comes from the
 CPU allocator, which aligns to 64 bytes. ``AlignedStager`` gives the thread
 mode's storages of at least ``direct_io.STRAIGHT_MIN`` bytes their own
 anonymous mapping instead (page-aligned, returned to the system when the
-stager lets go of it). Pinned staging (a CUDA host) and shared memory stay
-as DCP makes them, and so does everything when DCP's private stager is not
-the one this module knows.
+stager lets go of it). ``async_mode="bytes"`` stages every storage in the
+``shared_arena`` (page-aligned, shared with the byte writer process by one
+descriptor per chunk). Pinned staging (a CUDA host) and the shared memory of
+``async_mode="process"`` stay as DCP makes them, and so does everything when
+DCP's private stager is not the one this module knows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -29,6 +32,7 @@ except ImportError:  # pragma: no cover - a torch that moved it
     StateDictStager = object  # type: ignore[assignment,misc]
 
 from .direct_io import STRAIGHT_MIN
+from .shared_arena import ARENA, MIN_BYTES as ARENA_MIN
 
 
 def aligned_storage(nbytes: int) -> torch.UntypedStorage:
@@ -38,14 +42,19 @@ def aligned_storage(nbytes: int) -> torch.UntypedStorage:
 
 
 class _AlignedStateDictStager(StateDictStager):
-    """``StateDictStager`` that allocates the first copy of a large storage page-aligned (later saves copy
-    into the cached copy, as DCP does)."""
+    """``StateDictStager`` that allocates the first copy of a storage page-aligned with ``allocate`` (later saves
+    copy into the cached copy, as DCP does): storages of at least ``min_bytes``, unless DCP shares or pins them."""
+
+    def __init__(self, allocate: Optional[Callable[[int], torch.UntypedStorage]] = None, min_bytes: int = STRAIGHT_MIN) -> None:
+        super().__init__(pin_memory=False, share_memory=False)
+        self._allocate = allocate or aligned_storage
+        self._min_bytes = max(1, min_bytes)
 
     def _stage_untyped_storage(self, storage: Any, non_blocking: bool = False) -> Any:
-        if (self.share_memory or self.pin_memory or storage.nbytes() < STRAIGHT_MIN
+        if (self.share_memory or self.pin_memory or storage.nbytes() < self._min_bytes
                 or storage in self._cached_storage_mapping):
             return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
-        staged = aligned_storage(storage.nbytes())
+        staged = self._allocate(storage.nbytes())
         staged.copy_(storage, non_blocking=non_blocking)
         self._cached_storage_mapping[storage] = staged
         return staged
@@ -53,10 +62,20 @@ class _AlignedStateDictStager(StateDictStager):
 
 class AlignedStager(DefaultStager):
     """``DefaultStager`` whose private (neither shared nor pinned) host copies of large storages are
-    page-aligned, so direct writes send them without a bounce copy."""
+    page-aligned, so direct writes send them without a bounce copy.
 
-    def __init__(self, options: StagingOptions) -> None:
-        super().__init__(options)
+    ``arena``: every storage goes to the shared ``shared_arena`` instead (``async_mode="bytes"``), or, where
+    DCP pins its copies (a CUDA host) or its stager is not the one known here, to DCP's shared memory.
+    """
+
+    def __init__(self, options: StagingOptions, arena: bool = False) -> None:
+        super().__init__(dataclasses.replace(options, use_shared_memory=options.use_shared_memory or arena))
         plain = getattr(self, "_state_dict_stager", None)
-        if type(plain) is StateDictStager and not (plain.share_memory or plain.pin_memory):
-            self._state_dict_stager = _AlignedStateDictStager(pin_memory=False, share_memory=False)
+        self.arena = False
+        """Whether storages are staged in ``shared_arena.ARENA``."""
+        if type(plain) is not StateDictStager or plain.pin_memory:
+            return
+        if arena:
+            self._state_dict_stager, self.arena = _AlignedStateDictStager(ARENA.storage, ARENA_MIN), True
+        elif not plain.share_memory:
+            self._state_dict_stager = _AlignedStateDictStager()

@@ -5,6 +5,7 @@ when freed, a killed writer replaced, its errors reported with their errno."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from ckpt_core import CheckpointManager, TrainState
 from ckpt_core import byte_client, byte_writer, dcp_io
 from ckpt_core.manifest import parse_manifest
+from ckpt_core.shared_arena import ARENA
 from ckpt_core.sidecar import SIDECAR_SUFFIX, parse_sidecar
 from conftest import WORKERS, run_script
 
@@ -101,9 +103,9 @@ def test_the_byte_writer_process_runs_without_torch(tmp_path):
     assert not [m for m in modules if m == "torch" or m.startswith("torch.")]
 
 
-def _shm_mappings(pid: int) -> int:
+def _staging_mappings(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
-        return sum(1 for line in f if "/torch_" in line)
+        return sum(1 for line in f if "memfd:ckpt-staging" in line)
 
 
 def test_each_staging_buffer_goes_over_once_and_is_released_when_freed(tmp_path, monkeypatch):
@@ -112,6 +114,7 @@ def test_each_staging_buffer_goes_over_once_and_is_released_when_freed(tmp_path,
     monkeypatch.setattr(byte_client, "send_message",
                         lambda sock, msg, fds=(): sent.append((msg[0], msg[1], len(fds))) or real(sock, msg, fds))
     model = _model()
+    chunks_before = ARENA.chunks()
     m = CheckpointManager(str(tmp_path), async_mode="bytes", lease=False, handle_preemption=False)
     state = TrainState(model=model)
     for step in (1, 2, 3):
@@ -122,18 +125,73 @@ def test_each_staging_buffer_goes_over_once_and_is_released_when_freed(tmp_path,
         if step == 1:
             maps = [(tokens, fds) for kind, tokens, fds in sent if kind == "map"]
             sent.clear()
-    assert [fds for _, fds in maps] == [len(maps[0][0])] and len(maps[0][0]) >= 6  # one message, every buffer
+    # one message, one descriptor per arena chunk the staged tensors lie in (here all in one)
+    assert [fds for _, fds in maps] == [len(maps[0][0])] == [ARENA.chunks() - chunks_before] == [1]
     assert not [s for s in sent if s[0] in ("map", "release")]  # saves 2 and 3 reuse them
     pid = byte_client.PROCESS.pid
-    assert _shm_mappings(pid) == len(maps[0][0])
+    assert _staging_mappings(pid) == len(maps[0][0])
     m.close()
+    assert ARENA.chunks() == chunks_before
     released = [t for kind, tokens, _ in sent if kind == "release" for t in tokens]
     assert sorted(released) == sorted(t for t, _size in maps[0][0])
     deadline = time.monotonic() + 10
-    while _shm_mappings(pid) and time.monotonic() < deadline:
+    while _staging_mappings(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _shm_mappings(pid) == 0
+    assert _staging_mappings(pid) == 0
     assert _restored_equal(tmp_path, model, 3)
+
+
+def _write_message_bytes(monkeypatch) -> list:
+    sizes: list = []
+    real = byte_client.send_message
+
+    def spy(sock, msg, fds=()):
+        if msg[0] == "write":
+            sizes.append(len(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
+        return real(sock, msg, fds)
+
+    monkeypatch.setattr(byte_client, "send_message", spy)
+    return sizes
+
+
+def test_under_the_file_system_sharing_strategy_staged_tensors_still_go_by_reference(tmp_path, monkeypatch):
+    """torch's file_system strategy shares memory without descriptors; the arena does not depend on it."""
+    model = _model()
+    state_bytes = sum(t.nbytes for t in model.state_dict().values())
+    sizes = _write_message_bytes(monkeypatch)
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        remote = _save(tmp_path / "bytes", "bytes", model)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+    assert sizes and sum(sizes) < state_bytes / 50  # headers and the tensors under a page, not every byte
+    thread = _save(tmp_path / "thread", "thread", model)
+    data = sorted(p.name for p in thread.glob("*.distcp"))
+    assert data and all((thread / n).read_bytes() == (remote / n).read_bytes() for n in data)
+    assert _restored_equal(tmp_path / "bytes", model, 1)
+
+
+def test_a_state_of_thousands_of_tensors_holds_a_few_descriptors(tmp_path, monkeypatch):
+    """One descriptor per arena chunk, not one per staged tensor (a limit of 1,024 open files is common)."""
+    model = torch.nn.Module()
+    g = torch.Generator().manual_seed(3)
+    for i in range(2000):
+        model.register_buffer(f"b{i}", torch.randn(2048, generator=g))  # 8 KiB each: staged by reference
+    sizes = _write_message_bytes(monkeypatch)
+    before = len(os.listdir("/proc/self/fd"))
+    with CheckpointManager(str(tmp_path), async_mode="bytes", lease=False, handle_preemption=False) as m:
+        m.save(1, TrainState(model=model))
+        m.wait()
+        during = len(os.listdir("/proc/self/fd"))
+    assert during - before <= 16
+    assert sum(sizes) < 2000 * 8192 / 2  # torch.save's headers (about 1.6 KiB a tensor), not the tensors
+    fresh = torch.nn.Module()
+    for i in range(2000):
+        fresh.register_buffer(f"b{i}", torch.zeros(2048))
+    with CheckpointManager(str(tmp_path), async_mode="off", lease=False, handle_preemption=False) as m:
+        m.restore(TrainState(model=fresh), step=1)
+    assert all(torch.equal(fresh.get_buffer(k), v) for k, v in model.named_buffers())
 
 
 def test_a_byte_writer_killed_between_or_during_saves_is_replaced(tmp_path, monkeypatch):
