@@ -74,7 +74,7 @@ LOOP_PREFIX = "loop:"
 CKPT_NICE0 = "ckpt[process,nice=0]"
 CKPT_BUFFERED = "ckpt[process,buffered]"
 LOOP_KINDS = (TORCH_SAVE, CKPT_OFF, CKPT_PROCESS, CKPT_BYTES, CKPT_THREAD, CKPT_NICE0, CKPT_BUFFERED)
-DEFAULT_LOOP_KINDS = (TORCH_SAVE, CKPT_PROCESS)
+DEFAULT_LOOP_KINDS = (TORCH_SAVE, CKPT_BYTES)
 COMPONENTS = ("copy", "crc32c", "fingerprint", "pagecache", "fsync")
 """The pieces of a write whose CPU is measured on their own, as ``<name>_cpu_s`` in ``measure_refs``."""
 
@@ -87,8 +87,9 @@ DESCRIPTIONS = {
     DCP_ASYNC_PROCESS: "stock dcp.async_save, process executor, default stager (no buffer reuse)",
     CKPT_OFF: "CheckpointManager(async_mode='off'): synchronous DCP save + commit",
     CKPT_THREAD: "CheckpointManager(async_mode='thread')",
-    CKPT_PROCESS: "CheckpointManager(async_mode='process'), the default",
-    CKPT_BYTES: "CheckpointManager(async_mode='bytes'): DCP on a thread, bytes written by a process without torch",
+    CKPT_PROCESS: "CheckpointManager(async_mode='process'): DCP in a background process with torch",
+    CKPT_BYTES: "CheckpointManager(async_mode='bytes'), the default: DCP on a thread, bytes written by a process "
+                "without torch",
     CKPT_BUDGET: "CheckpointManager(async_mode='process', max_host_memory_bytes=state/2): saves synchronously",
     CKPT_NICE0: "CheckpointManager(async_mode='process', writer_nice=0): the writer at the trainer's priority",
     CKPT_BUFFERED: "CheckpointManager(async_mode='process', direct_io=False): data files through the page cache",
@@ -1135,7 +1136,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--loop-pairs", type=int, default=None,
                    help="pairs of (no-save, save) periods per toy loop and round (default 1)")
     p.add_argument("--loop-kinds", nargs="+", choices=LOOP_KINDS, default=list(DEFAULT_LOOP_KINDS), metavar="KIND",
-                   help="ways to save in the toy loop (default: torch.save ckpt[process]; all: "
+                   help="ways to save in the toy loop (default: torch.save ckpt[bytes]; all: "
                         + " ".join(LOOP_KINDS) + ")")
     p.add_argument("--loop-threads", type=int, nargs="+", default=[0, 1],
                    help="training threads per rank in the toy loop, one loop variant each; 0 = the suite's "

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 PAGE = mmap.PAGESIZE
+AVAILABLE = hasattr(os, "memfd_create") and hasattr(mmap, "MADV_REMOVE")
+"""Whether this platform has what the arena needs (Linux); elsewhere bytes mode stages in torch's shared memory."""
 MIN_BYTES = 4096
 """Storages smaller than this stay in private memory: their bytes travel inside the byte writer's recipe, which
 costs less than a page of their own here and a reference there."""

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - a torch that moved it
     StateDictStager = object  # type: ignore[assignment,misc]
 
 from .direct_io import STRAIGHT_MIN
-from .shared_arena import ARENA, MIN_BYTES as ARENA_MIN
+from .shared_arena import ARENA, AVAILABLE as ARENA_AVAILABLE, MIN_BYTES as ARENA_MIN
 
 
 def aligned_storage(nbytes: int) -> torch.UntypedStorage:
@@ -64,8 +64,9 @@ class AlignedStager(DefaultStager):
     """``DefaultStager`` whose private (neither shared nor pinned) host copies of large storages are
     page-aligned, so direct writes send them without a bounce copy.
 
-    ``arena``: every storage goes to the shared ``shared_arena`` instead (``async_mode="bytes"``), or, where
-    DCP pins its copies (a CUDA host) or its stager is not the one known here, to DCP's shared memory.
+    ``arena`` (``async_mode="bytes"``): every storage of at least ``shared_arena.MIN_BYTES`` goes to the shared
+    ``shared_arena`` instead, or, where DCP pins its copies (a CUDA host), its stager is not the one known here or
+    the platform has no ``memfd`` (not Linux), every storage goes to DCP's shared memory.
     """
 
     def __init__(self, options: StagingOptions, arena: bool = False) -> None:
@@ -75,7 +76,7 @@ class AlignedStager(DefaultStager):
         """Whether storages are staged in ``shared_arena.ARENA``."""
         if type(plain) is not StateDictStager or plain.pin_memory:
             return
-        if arena:
+        if arena and ARENA_AVAILABLE:
             self._state_dict_stager, self.arena = _AlignedStateDictStager(ARENA.storage, ARENA_MIN), True
         elif not plain.share_memory:
             self._state_dict_stager = _AlignedStateDictStager()

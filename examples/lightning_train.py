@@ -275,7 +275,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
-    p.add_argument("--async-mode", choices=["process", "thread", "off"], default=None)
+    p.add_argument("--async-mode", choices=["bytes", "process", "thread", "off"], default=None)
     p.add_argument("--save-on-exception", action="store_true")
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...): one of our checkpoint directories")
     p.add_argument("--csv-logs", default=None, help="log metrics (ckpt/* included) with a CSVLogger here")

@@ -82,10 +82,9 @@ class DistributedCheckpoint(Checkpoint):
         interval: ``"auto"``: the Young/Daly interval from the measured save stall and the failure rate
             (needs ``device_mtbf_hours``; chosen automatically when that is given alone).
         device_mtbf_hours: Mean time between failures of one device, in hours (for ``interval="auto"``).
-        async_mode: ``"process"`` (write in DCP's background process), ``"thread"`` or ``"off"`` (blocking).
-            Default: ``"process"`` when the run has more than one process, ``"thread"`` on one device (a
-            background process needs a process group, which would make a single-device run look
-            distributed to Lightning and other libraries).
+        async_mode: ``"bytes"`` (the default: DCP serializes on a thread, a small process without torch
+            writes the bytes; no process group needed on one device), ``"process"`` (DCP's background
+            process), ``"thread"`` or ``"off"`` (blocking).
         verify: Check a checkpoint before loading it: ``"none"``, ``"size"`` or ``"checksum"``.
         resume: Restore the newest valid checkpoint under ``dirpath`` when ``fit`` starts.
         resume_step: Restore exactly this step instead (a rollback: newer checkpoints are moved aside).
@@ -179,13 +178,11 @@ class DistributedCheckpoint(Checkpoint):
         self._completed = False  # training ended without an exception: the local tier's snapshots can go
 
     def _runtime_settings(self, trainer: "pl.Trainer") -> CheckpointSettings:
-        """The resolved settings, with what only the trainer knows filled in where nothing set it."""
-        changes: dict[str, Any] = {}
+        """The resolved settings, with what only the trainer knows (the default dirpath) filled in where nothing
+        set it."""
         if self._unset("dirpath"):
-            changes["dirpath"] = default_dirpath(trainer)
-        if self._unset("async_mode"):
-            changes["async_mode"] = "process" if trainer.world_size > 1 else "thread"
-        return self.settings.replace(**changes) if changes else self.settings
+            return self.settings.replace(dirpath=default_dirpath(trainer))
+        return self.settings
 
     def _unset(self, name: str) -> bool:
         """Whether no argument, ``settings`` value, variable or flag chose setting ``name``."""
@@ -210,7 +207,7 @@ class DistributedCheckpoint(Checkpoint):
         if self.settings.async_mode == "process" and trainer.world_size == 1:
             rank_zero_warn("DistributedCheckpoint(async_mode='process') on one device starts a 1-rank gloo process "
                            "group, so torch.distributed reports itself initialized to Lightning and other libraries;"
-                           " async_mode='thread' avoids that")
+                           " async_mode='bytes' (the default) avoids that")
         self.manager = CheckpointManager(settings=self.settings, env={}, argv=[])
         if trainer.is_global_zero:
             # a child of Lightning's logger: shown at Lightning's default level, next to its own start-up lines

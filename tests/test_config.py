@@ -150,7 +150,7 @@ def test_every_string_setting_roundtrips_through_env():
          ["every_seconds", "command-line flag --ckpt.every_seconds='-1'"]),
         (dict(code={"keep_last": 0}), ["keep_last", "code argument"]),
         (dict(env={"CKPT_RESUME": "maybe"}), ["resume", "CKPT_RESUME='maybe'", "expected a boolean"]),
-        (dict(env={"CKPT_ASYNC_MODE": "fork"}), ["async_mode", "CKPT_ASYNC_MODE='fork'", "process, bytes, thread, off"]),
+        (dict(env={"CKPT_ASYNC_MODE": "fork"}), ["async_mode", "CKPT_ASYNC_MODE='fork'", "bytes, process, thread, off"]),
         (dict(env={"CKPT_KEEP_BEST": "loss,median,2"}), ["keep_best", "CKPT_KEEP_BEST", "metric,min|max,n"]),
         (dict(env={"CKPT_STORAGE_OPTIONS": "[1, 2]"}), ["storage_options", "CKPT_STORAGE_OPTIONS", "JSON object"]),
         (dict(env={"CKPT_STORAGE_OPTIONS": "{bad"}), ["storage_options", "JSON object"]),

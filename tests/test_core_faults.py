@@ -216,7 +216,7 @@ def test_no_unpickling_of_arbitrary_objects(three, tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"every_n_steps": 0}, "every_n_steps=0 is invalid: expected a positive integer"),
-    ({"async_mode": "fast"}, "async_mode='fast' is invalid: expected one of process, bytes, thread, off"),
+    ({"async_mode": "fast"}, "async_mode='fast' is invalid: expected one of bytes, process, thread, off"),
     ({"verify": "md5"}, "verify='md5' is invalid"),
     ({"interval": "auto"}, "device_mtbf_hours=None is invalid"),
     ({"keep_last": -1}, "keep_last=-1 is invalid"),

@@ -64,6 +64,9 @@ def test_lightning_callback_reads_environment_and_flags(tmp_path, environ, caplo
     environ.setenv("CKPT_EVERY_N_STEPS", "2")
     environ.setenv("CKPT_KEEP_LAST", "1")
     environ.setattr(sys, "argv", ["cli.py", "fit", "--ckpt.verify=checksum"])
+    started: list = []
+    real_init = torch.distributed.init_process_group
+    environ.setattr(torch.distributed, "init_process_group", lambda *a, **k: started.append(a) or real_init(*a, **k))
     cb = DistributedCheckpoint(dirpath=tmp_path / "ck", settings=CheckpointSettings(writer_threads=2))
     assert (cb.settings.every_n_steps, cb.settings.keep_last, cb.settings.verify) == (2, 1, "checksum")
     assert cb.settings.writer_threads == 2 and cb.sources["verify"] == "flag --ckpt.verify"
@@ -78,7 +81,8 @@ def test_lightning_callback_reads_environment_and_flags(tmp_path, environ, caplo
         trainer.fit(lightning_train.Regressor())
     assert "effective checkpoint settings" in caplog.text and "[env CKPT_KEEP_LAST]" in caplog.text
     assert [r.step for r in list_records(str(tmp_path / "ck")) if r.committed] == [6]
-    assert cb.settings.async_mode == "thread"  # the one-device default still applies
+    assert cb.settings.async_mode == "bytes"  # the default, on one device too
+    assert started == []  # it needs no process group: a one-device run stays undistributed
 
     environ.setenv("CKPT_EVRY_N_STEPS", "2")
     with pytest.raises(UnknownSettingError, match="CKPT_EVRY_N_STEPS.*did you mean CKPT_EVERY_N_STEPS"):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from .errors import SettingError
 
-ASYNC_MODES = ("process", "bytes", "thread", "off")
+ASYNC_MODES = ("bytes", "process", "thread", "off")
 IN_FLIGHT_POLICIES = ("wait", "skip")
 ERROR_POLICIES = ("raise", "warn")
 VERIFY_LEVELS = ("none", "size", "checksum")
@@ -97,8 +97,10 @@ class CheckpointSettings:
     keep_best: Optional[tuple] = _spec(None, '(metric, "min"|"max", n): keep the n best by a metric.',
                                        lambda v: v is None or _keep_best(v),
                                        "(metric, 'min'|'max', n) with n a positive integer")
-    async_mode: str = _choice("process", "process (default: DCP's background process), bytes (DCP on a thread, the "
-                                        "bytes written by a small process without torch), thread or off.", ASYNC_MODES)
+    async_mode: str = _choice("bytes", "bytes (default: DCP serializes on a thread, a small process without torch "
+                                      "writes, checksums and sums the bytes; a non-local root is written on the "
+                                      "thread), process (DCP's background process, with torch), thread or off.",
+                              ASYNC_MODES)
     on_in_flight: str = _choice("wait", "when a save is due while the previous is still writing: wait or skip "
                                         "(a local snapshot too, while the previous one is sealed or replicated).",
                                 IN_FLIGHT_POLICIES)
