@@ -40,6 +40,7 @@ import struct
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import crc32c
@@ -205,20 +206,53 @@ def _write_segment(out: Any, pieces: list, maps: dict[int, mmap.mmap], with_sha:
 
 
 def _write_summed(out: Any, view: memoryview, dtype: str, crc: int, digest: Any) -> tuple[int, tuple]:
-    """Write a staged tensor's bytes in slices, each summed and taken into the CRC just before it is written
-    (while in the cache); (the CRC, (sum, sum of |x|))."""
+    """Write a staged tensor's bytes in slices, each summed and taken into the CRC (while in the cache) just
+    before it is handed to a second thread that writes it; (the CRC, (sum, sum of |x|)). Summing a slice
+    overlaps writing the one before: the slower of the two sets the pace, not their sum."""
     arr = np.frombuffer(view, dtype=numpy_dtype(dtype))
     acc = SumsCrc(arr.dtype, arr.size)
     acc.crc = crc
     step = CHUNK // arr.itemsize
-    for pos in range(0, arr.size, step):
-        part = arr[pos : pos + step]
-        acc.update(part)
-        if digest is not None:
-            digest.update(part)
-        out.write_crc(part, None)
+    with _WriteBehind(out) as behind:
+        for pos in range(0, arr.size, step):
+            part = arr[pos : pos + step]
+            acc.update(part)
+            if digest is not None:
+                digest.update(part)
+            behind.write(part)
     del arr
     return int(acc.crc), (acc.s, acc.sa)
+
+
+class _WriteBehind:
+    """Writes to ``out`` on a thread of its own, in order, at most one write outstanding: ``write`` waits for
+    the previous one (and raises its error), then starts this one."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+
+    def write(self, part: Any) -> None:
+        self._wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-bytes-behind")
+        self._pending = self._pool.submit(self._out.write_crc, part, None)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def __enter__(self) -> "_WriteBehind":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
 
 def serve(sock: socket.socket) -> None:

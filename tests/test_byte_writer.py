@@ -267,6 +267,60 @@ def test_sums_fed_in_slices_are_the_bits_of_one_pass():
     assert (acc.s, acc.sa, acc.crc) == array_sums.sums_crc(a)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_tensor_of_many_slices_is_written_whole_in_order_with_its_crc_and_sums(tmp_path, direct):
+    """Summing a slice overlaps writing the one before (a second thread); the file holds every byte in order."""
+    import mmap
+
+    import crc32c
+    import numpy as np
+
+    from ckpt_core import array_sums
+
+    header = b"h" * 100
+    a = np.random.default_rng(1).standard_normal(3 * byte_writer.CHUNK // 4 + 5000).astype(np.float32)
+    fd = os.memfd_create("test-slices")
+    os.ftruncate(fd, a.nbytes)
+    with mmap.mmap(fd, a.nbytes) as rw:
+        rw[:] = a.tobytes()
+    maps = {7: mmap.mmap(fd, a.nbytes, prot=mmap.PROT_READ)}
+    os.close(fd)
+    out_fd, _direct = byte_client.open_data_file(str(tmp_path / "f"), direct)
+    spec = {"direct": _direct, "sync": True, "sha256": True,
+            "segments": [[header, (7, 0, a.nbytes, "float32", 3)]]}
+    result = byte_writer.write_file(out_fd, spec, maps)
+    data = (tmp_path / "f").read_bytes()
+    assert data == header + a.tobytes()
+    assert result["segments"] == [(0, len(data), crc32c.crc32c(data))]
+    assert result["sums"] == {3: array_sums.sums_crc(a, with_crc=False)[:2]}
+    import hashlib
+
+    assert result["sha256"] == {0: hashlib.sha256(data).hexdigest()}
+    maps[7].close()
+
+
+def test_a_failed_slice_write_stops_the_tensor_and_raises_its_error():
+    import numpy as np
+
+    class Sink:
+        def __init__(self):
+            self.parts = []
+
+        def write_crc(self, b, crc):
+            if len(self.parts) == 2:
+                raise OSError(28, "No space left on device")
+            self.parts.append(bytes(memoryview(b).cast("B")))
+            return len(self.parts[-1]), None
+
+    a = np.arange(5 * byte_writer.CHUNK // 4, dtype=np.float32)
+    sink = Sink()
+    with pytest.raises(OSError) as err:
+        byte_writer._write_summed(sink, memoryview(a.tobytes()), "float32", 0, None)
+    assert err.value.errno == 28
+    step = byte_writer.CHUNK
+    assert sink.parts == [a.tobytes()[:step], a.tobytes()[step : 2 * step]]  # in order, none after the error
+
+
 @pytest.mark.timeout(300)
 def test_four_ranks_bytes_mode_files_match_thread_mode_and_restore_exactly(tmp_path):
     run_script(WORKERS / "bytes_worker.py", [str(tmp_path)], nproc=4, timeout=280)
