@@ -123,7 +123,7 @@ class Arena:
             self._apply_frees()
             chunk, off = self._place(n)
         view = memoryview(chunk.mm)[off : off + max(nbytes, 1)]
-        weakref.finalize(view, self._free, chunk, off, n)
+        weakref.finalize(view, self._free, chunk, off, n).atexit = False  # at exit the memfd goes with the process
         return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
 
     def _place(self, n: int) -> tuple[Chunk, int]:

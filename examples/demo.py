@@ -28,7 +28,7 @@ def launch(root: Path, *extra: str) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(port), str(HERE / "core_train.py"), "--root", str(root), "--steps", "40",
-           "--every", "10", "--async-mode", "process", *extra]
+           "--every", "10", "--async-mode", "bytes", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).returncode
 
