@@ -142,7 +142,8 @@ class Arena:
 
     def _free(self, chunk: Chunk, off: int, n: int) -> None:
         self._pending.append((chunk, off, n))
-        if self._lock.acquire(blocking=False):  # busy (maybe on this very thread): the holder or the next call applies it
+        # busy (maybe on this very thread): the holder or the next call applies it
+        if self._lock.acquire(blocking=False):
             try:
                 self._apply_frees()
             finally:

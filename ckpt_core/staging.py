@@ -10,8 +10,8 @@ construction; the private memory of ``async_mode="thread"`` comes from the
 CPU allocator, which aligns to 64 bytes. ``AlignedStager`` gives the thread
 mode's storages of at least ``direct_io.STRAIGHT_MIN`` bytes their own
 anonymous mapping instead (page-aligned, returned to the system when the
-stager lets go of it). ``async_mode="bytes"`` stages every storage in the
-``shared_arena`` (page-aligned, shared with the byte writer process by one
+stager lets go of it). ``async_mode="bytes"`` stages every storage of a page
+or more in the ``shared_arena`` (page-aligned, shared with the byte writer process by one
 descriptor per chunk). Pinned staging (a CUDA host) and the shared memory of
 ``async_mode="process"`` stay as DCP makes them, and so does everything when
 DCP's private stager is not the one this module knows.
@@ -45,7 +45,8 @@ class _AlignedStateDictStager(StateDictStager):
     """``StateDictStager`` that allocates the first copy of a storage page-aligned with ``allocate`` (later saves
     copy into the cached copy, as DCP does): storages of at least ``min_bytes``, unless DCP shares or pins them."""
 
-    def __init__(self, allocate: Optional[Callable[[int], torch.UntypedStorage]] = None, min_bytes: int = STRAIGHT_MIN) -> None:
+    def __init__(self, allocate: Optional[Callable[[int], torch.UntypedStorage]] = None,
+                 min_bytes: int = STRAIGHT_MIN) -> None:
         super().__init__(pin_memory=False, share_memory=False)
         self._allocate = allocate or aligned_storage
         self._min_bytes = max(1, min_bytes)
@@ -72,11 +73,9 @@ class AlignedStager(DefaultStager):
     def __init__(self, options: StagingOptions, arena: bool = False) -> None:
         super().__init__(dataclasses.replace(options, use_shared_memory=options.use_shared_memory or arena))
         plain = getattr(self, "_state_dict_stager", None)
-        self.arena = False
-        """Whether storages are staged in ``shared_arena.ARENA``."""
         if type(plain) is not StateDictStager or plain.pin_memory:
             return
         if arena and ARENA_AVAILABLE:
-            self._state_dict_stager, self.arena = _AlignedStateDictStager(ARENA.storage, ARENA_MIN), True
+            self._state_dict_stager = _AlignedStateDictStager(ARENA.storage, ARENA_MIN)
         elif not plain.share_memory:
             self._state_dict_stager = _AlignedStateDictStager()
